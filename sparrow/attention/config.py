@@ -1,0 +1,40 @@
+"""What sparse attention does, independent of the schedule that sets its budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparrow.errors import SparrowError
+
+LANDMARKS = ("centroid", "quest")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse attention settings (SPEC section 3); defaults are the release's.
+
+    page_size: tokens per KV page. sink_pages / recent_pages: pages always attended at the start and end of the
+    cache. dense_layers: layer indices that always attend densely. landmark: `centroid` (mean key per page, scored
+    with the group-mean query) or `quest` (per-channel min/max keys, upper-bound score maximized over the group).
+    """
+
+    page_size: int = 16
+    sink_pages: int = 1
+    recent_pages: int = 2
+    dense_layers: tuple[int, ...] = (0, 1)
+    landmark: str = "centroid"
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise SparrowError(f"page_size must be a positive integer, got {self.page_size}")
+        if self.sink_pages < 0 or self.recent_pages < 1:
+            raise SparrowError(
+                f"need sink_pages >= 0 and recent_pages >= 1 (the current page), got {self.sink_pages}, {self.recent_pages}"
+            )
+        if self.landmark not in LANDMARKS:
+            raise SparrowError(f"unknown landmark {self.landmark!r}: expected one of {', '.join(LANDMARKS)}")
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+
+    @property
+    def always_kept_pages(self) -> int:
+        return self.sink_pages + self.recent_pages

@@ -1,0 +1,117 @@
+"""Attention for the three phases of a rollout, in plain PyTorch (CPU or CUDA).
+
+- prefill: dense causal attention over one prompt, whose keys/values are written into the rows that share it;
+- decode: one new token per row against the cache, dense or restricted to the selected pages;
+- teacher-forced: a whole sequence at once, each position attending as it did when it was decoded.
+Outputs follow the transformers attention interface: [batch, tokens, query_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import SparseConfig
+from .kv_cache import KVCache
+from .selection import centroid_scores, quest_scores, select_pages
+
+
+def _scores(queries: torch.Tensor, landmarks: list[torch.Tensor], sparse: SparseConfig) -> torch.Tensor:
+    if sparse.landmark == "quest":
+        return quest_scores(queries, landmarks[0], landmarks[1])
+    return centroid_scores(queries, landmarks[0])
+
+
+def prefill_attention(query, key, value, cache: KVCache, layer: int, rows: torch.Tensor, scaling: float):
+    """Dense causal attention of one prompt [1, H, T, D]; its keys/values go to every row in `rows`."""
+    cache.write_prompt(layer, rows, key[0], value[0])
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def decode_attention(query, key, value, cache: KVCache, layer: int, budget_pages: torch.Tensor | None,
+                     scaling: float):
+    """One decode step: query/key/value [B, H, 1, D]. `budget_pages` [B] (None: dense)."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    cache.write_token(layer, key[:, :, 0], value[:, :, 0])
+    total = cache.lengths + 1
+    queries = query.view(batch, kv_heads, q_heads // kv_heads, dim)
+    sparse = cache.sparse
+    ps = sparse.page_size
+    n_pages = (total + ps - 1) // ps
+    dense = budget_pages is None or layer in sparse.dense_layers or bool((budget_pages >= n_pages).all())
+    if dense:
+        span = int(total.max())
+        keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
+        values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
+        mask = (torch.arange(span, device=total.device) < total[:, None]).view(batch, 1, 1, span)
+    else:
+        used = int(n_pages.max())
+        landmarks = [m[:, :, :used] for m in cache.landmarks[layer]]
+        scores = _scores(queries.unsqueeze(2), landmarks, sparse).squeeze(2)  # [B, Hkv, P]
+        pages, valid = select_pages(scores, n_pages[:, None], budget_pages[:, None],
+                                    sparse.sink_pages, sparse.recent_pages)
+        k = pages.shape[-1]
+        row_head = torch.arange(batch * kv_heads, device=pages.device).view(batch, kv_heads, 1)
+        flat = (row_head * cache.num_pages + pages).flatten()
+        keys = cache.keys[layer].view(-1, ps * dim).index_select(0, flat).view(batch, kv_heads, k * ps, dim)
+        values = cache.values[layer].view(-1, ps * dim).index_select(0, flat).view(batch, kv_heads, k * ps, dim)
+        slots = pages.unsqueeze(-1) * ps + torch.arange(ps, device=pages.device)
+        ok = valid.unsqueeze(-1) & (slots < total.view(batch, 1, 1, 1))
+        mask = ok.view(batch, kv_heads, 1, k * ps)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, 1, q_heads, dim)
+
+
+def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig,
+                             budget_pages: torch.Tensor | None, prompt_lengths: torch.Tensor, scaling: float,
+                             chunk: int = 256):
+    """Sparse attention for whole sequences [B, H, T, D], reproducing the decode-time selection.
+
+    Position t of row b was decoded with t+1 cached tokens and the budget `budget_pages[b, t]`; positions before
+    `prompt_lengths[b]` came from the dense prefill. Landmarks of the pages filled by then are the same mean (or
+    min/max) of the same keys, so each position selects the pages it selected when decoding. Queries are processed
+    in chunks of `chunk` positions to bound memory.
+    """
+    if budget_pages is None or layer in sparse.dense_layers:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+    batch, q_heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    ps = sparse.page_size
+    full = length // ps
+    page_keys = key[:, :, : full * ps].reshape(batch, kv_heads, full, ps, dim)
+    if sparse.landmark == "quest":
+        marks = [page_keys.amin(dim=-2), page_keys.amax(dim=-2)]
+    else:
+        marks = [page_keys.mean(dim=-2)]
+    num_pages = -(-length // ps)
+    marks = [F.pad(m, (0, 0, 0, num_pages - full)) for m in marks]
+    queries = query.view(batch, kv_heads, group, length, dim)
+    position = torch.arange(length, device=query.device)
+    in_prompt = position[None, :] < prompt_lengths[:, None]  # [B, T]
+    outputs = []
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        pos = position[start:stop]
+        n_pages = (pos + ps) // ps  # pages holding t+1 tokens
+        budget = torch.where(in_prompt[:, start:stop], n_pages, budget_pages[:, start:stop])  # [B, Tc]
+        q_chunk = queries[:, :, :, start:stop]
+        used = int(n_pages.max())
+        scores = _scores(q_chunk.transpose(2, 3), [m[:, :, :used] for m in marks], sparse)  # [B, Hkv, Tc, P]
+        pages, valid = select_pages(scores, n_pages.view(1, 1, -1), budget[:, None, :],
+                                    sparse.sink_pages, sparse.recent_pages)
+        page_mask = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)
+        page_mask.scatter_(-1, pages, valid)
+        token_mask = page_mask.repeat_interleave(ps, dim=-1)[..., :stop]
+        token_mask &= torch.arange(stop, device=query.device) <= pos[:, None]
+        tc = stop - start
+        mask = token_mask.unsqueeze(2).expand(batch, kv_heads, group, tc, stop).reshape(batch, kv_heads, group * tc, stop)
+        out = F.scaled_dot_product_attention(
+            q_chunk.reshape(batch, kv_heads, group * tc, dim), key[:, :, :stop], value[:, :, :stop],
+            attn_mask=mask, scale=scaling,
+        )
+        outputs.append(out.view(batch, kv_heads, group, tc, dim).reshape(batch, q_heads, tc, dim))
+    return torch.cat(outputs, dim=2).transpose(1, 2)

@@ -1,0 +1,51 @@
+"""The page-selection rule shared by the decode and teacher-forced paths (pure tensor math).
+
+Shapes use `...` for leading dims: (batch, kv_head) when decoding, (batch, kv_head, position) when teacher-forcing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def centroid_scores(queries: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Score pages by the dot product of the group-mean query with each page's mean key.
+
+    queries: [B, Hkv, T, G, D] (post-RoPE), centroids: [B, Hkv, P, D] -> scores [B, Hkv, T, P].
+    """
+    return queries.mean(dim=3) @ centroids.transpose(-1, -2)
+
+
+def quest_scores(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound sum_c max(q_c kmax_c, q_c kmin_c) per query head, maximized over the group's heads.
+
+    Since kmax >= kmin, the max picks kmax where q_c >= 0 and kmin where q_c < 0: two matmuls.
+    queries: [B, Hkv, T, G, D], kmin/kmax: [B, Hkv, P, D] -> scores [B, Hkv, T, P].
+    """
+    kmax_t = kmax.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, P]
+    kmin_t = kmin.unsqueeze(2).transpose(-1, -2)
+    bound = queries.clamp(min=0) @ kmax_t + queries.clamp(max=0) @ kmin_t  # [B, Hkv, T, G, P]
+    return bound.amax(dim=3)
+
+
+def select_pages(scores: torch.Tensor, n_pages: torch.Tensor, budget_pages: torch.Tensor,
+                 sink_pages: int, recent_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the pages each row attends to.
+
+    scores: [..., P] page scores (entries for pages >= n_pages are ignored); n_pages, budget_pages: integer
+    tensors broadcastable to scores[..., 0]. Each row keeps its first `sink_pages` and last `recent_pages` pages,
+    then the top-scoring others, `min(budget_pages, n_pages)` pages in all (so a row with no more pages than its
+    budget attends densely). Returns (page indices [..., K], valid [..., K]) with K the largest count over rows;
+    entries past a row's own count are marked invalid.
+    """
+    num = scores.shape[-1]
+    page = torch.arange(num, device=scores.device)
+    n_pages = n_pages.unsqueeze(-1)
+    exists = page < n_pages
+    forced = exists & ((page < sink_pages) | (page >= n_pages - recent_pages))
+    ranked = scores.masked_fill(~exists, float("-inf")).masked_fill(forced, float("inf"))
+    count = torch.minimum(budget_pages.unsqueeze(-1), n_pages).expand(ranked.shape[:-1] + (1,))
+    k = int(count.max())
+    pages = ranked.topk(k, dim=-1, sorted=True).indices
+    valid = torch.arange(k, device=scores.device) < count
+    return pages, valid

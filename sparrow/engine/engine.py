@@ -1,0 +1,192 @@
+"""The rollout engine: shared prefill per prompt, batched decode with a per-sequence KV budget.
+
+The n samples of a prompt share one dense prefill whose keys/values are copied into their n rows. Decode then
+runs all live rows together; each row's budget comes from the schedule at its own cached length. Finished rows
+are dropped from the batch so that later steps only pay for live sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from sparrow.attention import AttentionContext, KVCache, SparseConfig, enable_sparse_attention
+from sparrow.attention.interface import CONTEXT_KEY, base_model
+from sparrow.errors import SparrowError
+from sparrow.schedules import DENSE, Schedule
+
+from .sampling import SamplingParams, StepSample, sample
+from .sequence import Completion
+
+Prompt = str | list[dict] | list[int]
+
+
+class RolloutEngine:
+    """Generates rollouts with sparse attention from any transformers causal LM (optionally peft-wrapped)."""
+
+    def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise SparrowError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sparse = sparse or SparseConfig()
+        self.max_batch_size = max_batch_size
+        enable_sparse_attention(model)
+        config = base_model(model).config
+        self.num_layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        bad = [i for i in self.sparse.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise SparrowError(f"dense_layers {bad} out of range for a model with {self.num_layers} layers")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if source is None:
+                continue
+            ids.update([source] if isinstance(source, int) else source)
+        return ids
+
+    # -- building blocks (also used by the benchmark) -------------------------------------------------------
+
+    def encode(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
+        """Token ids of a prompt: text, chat messages (always templated) or ids as they are."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, list):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        elif isinstance(prompt, str) and apply_chat_template:
+            return self.encode([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            raise SparrowError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise SparrowError("a prompt encodes to no tokens")
+        return ids
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        if self.max_positions and capacity > self.max_positions:
+            raise SparrowError(
+                f"prompt + max_new_tokens = {capacity} tokens exceeds the model's {self.max_positions} positions"
+            )
+        return KVCache(self.num_layers, rows, self.kv_heads, self.head_dim, capacity, self.sparse, self.dtype,
+                       self.device)
+
+    def _forward(self, input_ids, position_ids, ctx: AttentionContext) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                         **{CONTEXT_KEY: ctx})
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, prompt_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """Dense prefill of one prompt into `rows` of the cache; returns the next-token logits [V]."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        positions = torch.arange(len(prompt_ids), device=self.device)[None]
+        ctx = AttentionContext("prefill", self.sparse, cache=cache, rows=rows)
+        logits = self._forward(ids, positions, ctx)[0]
+        cache.lengths[rows] = len(prompt_ids)
+        return logits
+
+    def budgets(self, schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
+        """KV budget in tokens for rows with `total` cached tokens (the cached length itself when dense)."""
+        return total.clone() if schedule.is_dense else schedule.budget_for(total)
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor, schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per row; returns (next-token logits [B, V], KV budget in tokens per row [B])."""
+        total = cache.lengths + 1
+        budget = self.budgets(schedule, total)
+        pages = None if schedule.is_dense else budget // self.sparse.page_size
+        ctx = AttentionContext("decode", self.sparse, cache=cache, budget_pages=pages)
+        logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
+        cache.lengths += 1
+        return logits, budget
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None,
+                 schedule: Schedule = DENSE, num_samples: int = 1, apply_chat_template: bool = False,
+                 progress: bool = False) -> list[Completion]:
+        """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index."""
+        sampling = sampling or SamplingParams()
+        if num_samples < 1:
+            raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
+        if not prompts:
+            raise SparrowError("no prompts given")
+        if not schedule.is_dense:
+            schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
+        encoded = [self.encode(p, apply_chat_template) for p in prompts]
+        seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        per_wave = max(1, self.max_batch_size // num_samples)
+        results: list[Completion] = []
+        bar = tqdm(total=len(prompts) * num_samples, desc="generating", unit="seq", disable=not progress)
+        for start in range(0, len(prompts), per_wave):
+            wave = list(range(start, min(start + per_wave, len(prompts))))
+            results += self._generate_wave(wave, encoded, sampling, schedule, num_samples, generator, bar)
+        bar.close()
+        return results
+
+    def _generate_wave(self, wave, encoded, sampling, schedule, num_samples, generator, bar) -> list[Completion]:
+        capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
+        cache = self.new_cache(len(wave) * num_samples, capacity)
+        seqs, logits = [], []
+        for j, i in enumerate(wave):
+            rows = torch.arange(j * num_samples, (j + 1) * num_samples, device=self.device)
+            logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
+            seqs += [Completion(i, s, encoded[i]) for s in range(num_samples)]
+        logits = torch.cat(logits)
+        budget = cache.lengths.clone()
+        live = list(seqs)
+        while True:
+            step = sample(logits, sampling, generator)
+            self._record(live, step, budget, sampling)
+            keep = [r for r, seq in enumerate(live) if not seq.finished]
+            bar.update(len(live) - len(keep))
+            if not keep:
+                break
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=self.device)
+                cache.keep(index)
+                live = [live[r] for r in keep]
+                step.tokens = step.tokens.index_select(0, index)
+            logits, budget = self.decode_step(cache, step.tokens, schedule)
+        for seq in seqs:
+            seq.text = self._final_text(seq, sampling)
+        return seqs
+
+    def _record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
+        tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
+        top_ids, top_lps, budget = step.top_ids.tolist(), step.top_logprobs.tolist(), budget.tolist()
+        for r, seq in enumerate(live):
+            seq.token_ids.append(tokens[r])
+            seq.logprobs.append(logprobs[r])
+            seq.top_token_ids.append(top_ids[r])
+            seq.top_logprobs.append(top_lps[r])
+            seq.kv_budget.append(budget[r])
+            if (tokens[r] in self.eos_ids and not sampling.ignore_eos) or self._hit_stop(seq, sampling):
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) >= sampling.max_new_tokens:
+                seq.finish_reason = "length"
+
+    def _hit_stop(self, seq: Completion, sampling: SamplingParams) -> bool:
+        if not sampling.stop:
+            return False
+        window = max(len(s) for s in sampling.stop) + 1  # tokens hold at least one character each
+        tail = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in sampling.stop)
+
+    def _final_text(self, seq: Completion, sampling: SamplingParams) -> str:
+        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in sampling.stop if s in text]
+        return text[: min(cuts)] if cuts else text

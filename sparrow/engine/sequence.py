@@ -1,0 +1,36 @@
+"""One generated completion and the per-token records a trainer needs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Completion:
+    """A sampled completion. Per generated token: id, rollout log-prob, top-K log-probs, KV budget in force.
+
+    kv_budget is the number of KV tokens the sparse layers were allowed to attend for that token: the schedule's
+    budget on sparse decode steps, the cached length where attention was dense (prefill, dense schedule).
+    finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    kv_budget: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        record.pop("prompt_token_ids")
+        record["prompt_length"] = len(self.prompt_token_ids)
+        return record
