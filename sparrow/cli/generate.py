@@ -1,0 +1,102 @@
+"""`sparrow generate`: sample completions with a sparse schedule and print them (or JSON lines)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.errors import SparrowError
+
+from .common import MODEL_HELP, ModelOptions
+from .config import add_config_options, load_config
+
+
+@dataclass
+class GenerateConfig(ModelOptions):
+    prompt: str | None = None
+    prompts: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    num_samples: int = 1
+    stop: list[str] | None = None
+    chat: bool = False
+    num_logprobs: int = 20
+    max_batch_size: int = 64
+    json: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if (self.prompt is None) == (self.prompts is None):
+            raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+        if self.prompts is not None and not Path(self.prompts).is_file():
+            raise SparrowError(f"prompts file {self.prompts!r} does not exist")
+        if self.num_samples < 1:
+            raise SparrowError(f"num_samples must be >= 1, got {self.num_samples}")
+        self.sampling()
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop or ()),
+                              num_logprobs=self.num_logprobs)
+
+
+HELP = {
+    **MODEL_HELP,
+    "prompt": "one prompt text",
+    "prompts": "JSONL file, one object per line with a 'prompt' field (text or chat messages)",
+    "temperature": "sampling temperature; 0 = greedy",
+    "top_k": "keep the k most likely tokens; 0 = off",
+    "stop": "stop string",
+    "chat": "apply the tokenizer's chat template to text prompts",
+    "num_logprobs": "top log-probs kept per generated token",
+    "json": "print one JSON object per completion",
+}
+
+
+def read_prompts(path: str) -> list:
+    """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SparrowError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
+        if not (isinstance(prompt, str) and prompt) and not (is_chat and prompt):
+            raise SparrowError(f"{path}:{number}: expected a 'prompt' field holding text or chat messages")
+        prompts.append(prompt)
+    if not prompts:
+        raise SparrowError(f"prompts file {path!r} holds no prompts")
+    return prompts
+
+
+def run(args) -> int:
+    config = load_config(GenerateConfig, args)
+    prompts = [config.prompt] if config.prompt is not None else read_prompts(config.prompts)
+    model, tokenizer = config.load()
+    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size)
+    completions = engine.generate(prompts, config.sampling(), config.parsed_schedule(), config.num_samples,
+                                  apply_chat_template=config.chat, progress=not config.json)
+    for c in completions:
+        if config.json:
+            print(json.dumps(c.to_json()))
+        else:
+            print(f"=== prompt {c.prompt_index} sample {c.sample_index}: {len(c.token_ids)} tokens, "
+                  f"{c.finish_reason} ===\n{c.text}")
+    sys.stdout.flush()
+    return 0
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("generate", help="generate completions with sparse attention")
+    add_config_options(parser, GenerateConfig, HELP)
+    parser.set_defaults(run=run)

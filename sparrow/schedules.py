@@ -1,0 +1,260 @@
+"""KV-budget schedules: step functions from a sequence's total cached length to its KV budget in tokens.
+
+The cached length counts prompt plus generated tokens, including the token being decoded. A schedule raises the
+budget as the sequence grows so the tail acceptance rate stays roughly constant (SPEC section 4). Budgets include
+the always-kept pages (1 sink page + 2 most recent pages), so top-k pages = budget / page_size - 3.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import operator
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from sparrow.errors import SparrowError
+
+PRESET_PAGE_SIZE = 16
+_INT = re.compile(r"[+-]?\d+")
+_FORMS = "'dense', 'const:N', 'steps:BIN:b1,b2,...', 'start:budget,...'"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Bin i covers cached lengths in [starts[i], starts[i+1]) and gets budgets[i] tokens; empty means dense."""
+
+    name: str
+    starts: tuple[int, ...]
+    budgets: tuple[int, ...]
+
+    def __post_init__(self):
+        starts = tuple(_as_int(s, f"schedule {self.name!r} start") for s in self.starts)
+        budgets = tuple(_as_int(b, f"schedule {self.name!r} budget") for b in self.budgets)
+        if len(starts) != len(budgets):
+            raise SparrowError(f"schedule {self.name!r} has {len(starts)} starts but {len(budgets)} budgets; "
+                               "expected one budget per bin")
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "budgets", budgets)
+
+    @property
+    def is_dense(self) -> bool:
+        """True when there are no bins: every token is attended."""
+        return not self.starts
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Starts and budgets as int64 tensors on `device`, built once per device (decode calls this every step)."""
+        cache = self.__dict__.setdefault("_tensor_cache", {})
+        if device not in cache:
+            cache[device] = (torch.tensor(self.starts, dtype=torch.int64, device=device),
+                             torch.tensor(self.budgets, dtype=torch.int64, device=device))
+        return cache[device]
+
+    def budget_for(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Budget in tokens of the bin holding each length (int64, same shape and device as `lengths`)."""
+        if self.is_dense:
+            raise SparrowError(f"schedule {self.name!r} is dense and has no KV budget; check is_dense first")
+        lengths = torch.as_tensor(lengths)
+        starts, budgets = self._tables(lengths.device)
+        idx = torch.searchsorted(starts, lengths.to(torch.int64).contiguous(), right=True) - 1
+        return budgets[idx.clamp_(min=0)]
+
+    def budget_at(self, length: int) -> int | None:
+        """Budget in tokens for one cached length, or None for a dense schedule."""
+        if self.is_dense:
+            return None
+        return self.budgets[max(bisect.bisect_right(self.starts, length) - 1, 0)]
+
+    def to_json(self) -> list[dict]:
+        """Bins as `[{"start": s, "kv_budget": b}, ...]`, the format parse_schedule reads from files."""
+        return [{"start": s, "kv_budget": b} for s, b in zip(self.starts, self.budgets)]
+
+    def validate(self, page_size: int, always_kept_pages: int) -> None:
+        """Raise SparrowError unless budgets are whole pages covering the always-kept ones and bins are ordered."""
+        if page_size <= 0:
+            raise SparrowError(f"page size must be a positive integer, got {page_size}")
+        if self.is_dense:
+            return
+        if self.starts[0] != 0:
+            raise SparrowError(f"schedule {self.name!r}: first bin starts at {self.starts[0]}; expected 0")
+        for i in range(1, len(self.starts)):
+            if self.starts[i] <= self.starts[i - 1]:
+                raise SparrowError(f"schedule {self.name!r}: bin {i} starts at {self.starts[i]}, not after bin "
+                                   f"{i - 1} at {self.starts[i - 1]}; expected strictly increasing starts")
+        minimum = always_kept_pages * page_size
+        for i, budget in enumerate(self.budgets):
+            if budget <= 0 or budget % page_size:
+                raise SparrowError(f"schedule {self.name!r}: bin {i} budget {budget} is not a positive multiple "
+                                   f"of the page size {page_size}")
+            if budget < minimum:
+                raise SparrowError(f"schedule {self.name!r}: bin {i} budget {budget} is below {minimum} tokens "
+                                   f"(the {always_kept_pages} always-kept pages of {page_size} tokens)")
+
+
+DENSE = Schedule("dense", (), ())
+
+
+def const(budget: int) -> Schedule:
+    """One bin from length 0: the same budget at every length."""
+    return Schedule(f"const:{budget}", (0,), (budget,))
+
+
+def steps(bin_size: int, budgets: list[int]) -> Schedule:
+    """Equal-width bins: bin i starts at i * bin_size; the last budget covers everything longer."""
+    bin_size = _as_int(bin_size, "steps bin size")
+    if bin_size <= 0:
+        raise SparrowError(f"steps bin size must be a positive number of tokens, got {bin_size}")
+    if not budgets:
+        raise SparrowError("steps needs at least one budget, got none")
+    name = f"steps:{bin_size}:" + ",".join(str(b) for b in budgets)
+    return Schedule(name, tuple(i * bin_size for i in range(len(budgets))), tuple(budgets))
+
+
+@functools.cache
+def _load_presets() -> dict[str, Schedule]:
+    """The release's published schedules, read once from the packaged JSON (see its "about" field)."""
+    data = json.loads((resources.files("sparrow") / "data" / "sparrow_schedules.json").read_text(encoding="utf-8"))
+    page_size, bin_pages = data["page_size"], data["bin_pages"]
+    kept = data["sink_pages"] + data["local_pages"]
+    presets = {}
+    for name, topk in data["topk_pages"].items():
+        starts = tuple(i * bin_pages * page_size for i in range(len(topk)))
+        presets[name] = Schedule(name, starts, tuple(page_size * (v + kept) for v in topk))
+    return presets
+
+
+def __getattr__(name: str):
+    """Lazy module attribute PRESETS: the JSON is read on first use, not at import."""
+    if name == "PRESETS":
+        return _load_presets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def preset_names() -> list[str]:
+    """Names of the published presets, in the JSON's order (by model, then target)."""
+    return list(_load_presets())
+
+
+def parse_schedule(spec: str, page_size: int = 16, always_kept_pages: int = 3) -> Schedule:
+    """Build and validate a schedule from a command-line or config string (forms listed in the error below)."""
+    schedule = _parse(str(spec).strip(), page_size)
+    schedule.validate(page_size, always_kept_pages)
+    return schedule
+
+
+def _parse(spec: str, page_size: int) -> Schedule:
+    """Dispatch on the spec's form, without validation."""
+    if spec == "dense":
+        return DENSE
+    if spec.startswith("const:"):
+        return const(_parse_int(spec[len("const:"):], "const budget", spec))
+    if spec.startswith("steps:"):
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[2]:
+            raise SparrowError(f"bad steps schedule {spec!r}: expected 'steps:BIN:b1,b2,...', "
+                               "e.g. 'steps:1000:256,512,1024'")
+        budgets = [_parse_int(b, "steps budget", spec) for b in parts[2].split(",")]
+        return steps(_parse_int(parts[1], "steps bin size", spec), budgets)
+    presets = _load_presets()
+    if spec in presets:
+        if page_size != PRESET_PAGE_SIZE:
+            raise SparrowError(f"preset {spec!r} is defined for page size {PRESET_PAGE_SIZE}, not {page_size}")
+        return presets[spec]
+    if spec.endswith(".json") or os.sep in spec or "/" in spec or Path(spec).is_file():
+        return _read_file(Path(spec), page_size)
+    if ":" in spec:
+        return _parse_pairs(spec)
+    raise SparrowError(f"unknown schedule {spec!r}: expected {_FORMS}, a preset name "
+                       f"({', '.join(presets)}) or a JSON file")
+
+
+def _parse_pairs(spec: str) -> Schedule:
+    """Explicit bins `start:budget,start:budget,...`."""
+    starts, budgets = [], []
+    for item in spec.split(","):
+        pair = item.split(":")
+        if len(pair) != 2:
+            raise SparrowError(f"bad bin {item.strip()!r} in schedule {spec!r}: expected 'start:budget', "
+                               "e.g. '0:256,2000:512'")
+        starts.append(_parse_int(pair[0], "bin start", spec))
+        budgets.append(_parse_int(pair[1], "bin budget", spec))
+    return Schedule(spec, tuple(starts), tuple(budgets))
+
+
+def _read_file(path: Path, page_size: int) -> Schedule:
+    """A JSON file: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?}."""
+    if not path.is_file():
+        raise SparrowError(f"schedule file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SparrowError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
+    name = path.stem
+    if isinstance(data, dict):
+        if "bins" not in data:
+            raise SparrowError(f"schedule file {str(path)!r} has no 'bins' key; expected a list of "
+                               '{"start", "kv_budget"} objects or an object with "bins"')
+        if "page_size" in data and data["page_size"] != page_size:
+            raise SparrowError(f"schedule file {str(path)!r} is for page size {data['page_size']!r}, "
+                               f"but page size {page_size} was requested")
+        name = data.get("name", name)
+        if not isinstance(name, str):
+            raise SparrowError(f"schedule file {str(path)!r}: name {name!r} is not a string")
+        data = data["bins"]
+    if not isinstance(data, list):
+        raise SparrowError(f"schedule file {str(path)!r} holds a {type(data).__name__}; expected a list of "
+                           '{"start", "kv_budget"} objects or an object with "bins"')
+    starts, budgets = [], []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict) or "start" not in item or "kv_budget" not in item:
+            raise SparrowError(f"schedule file {str(path)!r}: bin {i} is {item!r}; "
+                               'expected {"start": int, "kv_budget": int}')
+        starts.append(_as_int(item["start"], f"schedule file {str(path)!r} bin {i} start"))
+        budgets.append(_as_int(item["kv_budget"], f"schedule file {str(path)!r} bin {i} kv_budget"))
+    return Schedule(name, tuple(starts), tuple(budgets))
+
+
+def _parse_int(text: str, what: str, spec: str) -> int:
+    """An integer from a spec fragment, or an error naming the fragment and the whole spec."""
+    text = text.strip()
+    if not _INT.fullmatch(text):
+        raise SparrowError(f"{what} {text!r} in schedule {spec!r} is not an integer")
+    return int(text)
+
+
+def _as_int(value, what: str) -> int:
+    """Accept integers only (also numpy/torch ones; not bools, floats or strings), so nothing silently rounds."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise SparrowError(f"{what} {value!r} is not an integer") from None
+
+
+def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: int = 16) -> Path:
+    """Atomically write `{"name", "page_size", "bins"}` so a reader never sees a half-written file."""
+    schedule.validate(page_size, 0)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"name": schedule.name, "page_size": page_size, "bins": schedule.to_json()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
