@@ -74,7 +74,8 @@ def test_landmarks_are_finished_when_a_page_fills_and_match_the_page_keys():
         cache.write_prompt(0, torch.tensor([0, 1]), keys[0, :5].view(1, 5, 3), keys[0, :5].view(1, 5, 3))
         cache.lengths[:] = 5
         for t in range(5, 11):
-            cache.write_token(0, keys[0, t].expand(2, 1, 3), keys[0, t].expand(2, 1, 3))
+            step = cache.begin_step(None)
+            cache.write_token(0, keys[0, t].expand(2, 1, 3), keys[0, t].expand(2, 1, 3), step)
             cache.lengths += 1
         pages = keys[0, :8].view(2, 4, 3)
         expected = [pages.mean(1)] if landmark == "centroid" else [pages.amin(1), pages.amax(1)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from sparrow.attention import KVCache, SparseConfig
+from sparrow.attention import KVCache, SparseConfig, cpu_kernel
 from sparrow.attention.kernels import decode_attention
 from sparrow.attention.teacher_forced import sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
@@ -40,8 +40,17 @@ def reference_decode(q, keys, values, length, budget_pages, sparse, scaling):
     return torch.cat(out)
 
 
+@pytest.fixture(params=["compiled", "pytorch"])
+def decode_path(request, monkeypatch):
+    """Run a test with the compiled CPU kernel and with the pure-PyTorch path."""
+    if request.param == "compiled" and cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    monkeypatch.setenv("SPARROW_CPU_KERNEL", "1" if request.param == "compiled" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark):
+def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, decode_path):
     torch.manual_seed(0)
     sparse = SparseConfig(page_size=4, landmark=landmark, dense_layers=(0,))
     lengths, hq, hkv, dim = [37, 13, 60], 4, 2, 8
@@ -54,7 +63,7 @@ def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark):
     new_k = torch.stack([keys[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
     new_v = torch.stack([values[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
     budget = torch.tensor([5, 5, 6])  # row 1 (4 pages) falls back to dense, the others are sparse
-    out = decode_attention(q, new_k, new_v, cache, 1, budget, 0.3)
+    out = decode_attention(q, new_k, new_v, cache, 1, cache.begin_step(budget), 0.3)
     for row, n in enumerate(lengths):
         want = reference_decode(q[row, :, 0], keys[row, :, : n + 1], values[row, :, : n + 1], n + 1,
                                 int(budget[row]), sparse, 0.3)
@@ -69,7 +78,8 @@ def test_dense_layers_attend_to_every_token_whatever_the_budget():
     cache.write_prompt(0, torch.tensor([0]), keys[:, :40], values[:, :40])
     cache.lengths[:] = 40
     q = torch.randn(1, 1, 1, 4)
-    out = decode_attention(q, keys[None, :, 40:], values[None, :, 40:], cache, 0, torch.tensor([3]), 0.5)
+    out = decode_attention(q, keys[None, :, 40:], values[None, :, 40:], cache, 0, cache.begin_step(torch.tensor([3])),
+                           0.5)
     want = torch.softmax(q[0, 0] @ keys[0].T * 0.5, -1) @ values[0]
     assert torch.allclose(out.flatten(), want.flatten(), atol=1e-6)
 
@@ -113,7 +123,7 @@ def test_a_budget_covering_the_sequence_gives_the_dense_logits(tiny):
 
 
 @pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_teacher_forced_reproduces_decode_time_sparse_logprobs(tiny, landmark):
+def test_teacher_forced_reproduces_decode_time_sparse_logprobs(tiny, landmark, decode_path):
     model, tok = tiny
     sparse = SparseConfig(landmark=landmark)
     schedule = steps(100, [64, 80, 96])  # the budget changes while decoding

@@ -1,9 +1,10 @@
 """Block-sparse attention (SPEC section 3): configuration, page selection, KV cache, kernels, model hook."""
 
+from . import cpu_kernel
 from .config import SparseConfig
 from .interface import AttentionContext, enable_sparse_attention
 from .kv_cache import KVCache
 from .selection import centroid_scores, quest_scores, select_pages
 
-__all__ = ["AttentionContext", "KVCache", "SparseConfig", "centroid_scores", "enable_sparse_attention",
+__all__ = ["AttentionContext", "cpu_kernel", "KVCache", "SparseConfig", "centroid_scores", "enable_sparse_attention",
            "quest_scores", "select_pages"]

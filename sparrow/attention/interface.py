@@ -18,7 +18,7 @@ from sparrow.errors import SparrowError
 
 from .config import SparseConfig
 from .kernels import decode_attention, prefill_attention, teacher_forced_attention
-from .kv_cache import KVCache
+from .kv_cache import DecodeStep, KVCache
 
 IMPLEMENTATION = "sparrow"
 CONTEXT_KEY = "sparrow_ctx"
@@ -27,12 +27,17 @@ MODES = ("prefill", "decode", "teacher_forced")
 
 @dataclass
 class AttentionContext:
-    """What one forward call should do. budget_pages: [B] (decode) or [B, T] (teacher-forced); None = dense."""
+    """What one forward call should do.
+
+    prefill: `cache` and the `rows` sharing the prompt; decode: `cache` and the `step` from cache.begin_step;
+    teacher-forced: `budget_pages` [B, T] (None = dense) and `prompt_lengths` [B].
+    """
 
     mode: str
     sparse: SparseConfig
     cache: KVCache | None = None
     rows: torch.Tensor | None = None
+    step: DecodeStep | None = None
     budget_pages: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
 
@@ -53,7 +58,7 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
     if ctx.mode == "prefill":
         return prefill_attention(query, key, value, ctx.cache, layer, ctx.rows, scaling), None
     if ctx.mode == "decode":
-        return decode_attention(query, key, value, ctx.cache, layer, ctx.budget_pages, scaling), None
+        return decode_attention(query, key, value, ctx.cache, layer, ctx.step, scaling), None
     return teacher_forced_attention(query, key, value, layer, ctx.sparse, ctx.budget_pages, ctx.prompt_lengths,
                                     scaling), None
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
 from .config import SparseConfig
-from .kv_cache import KVCache
+from .kv_cache import DecodeStep, KVCache
 from .selection import centroid_scores, quest_scores, select_pages
 
 
@@ -29,28 +30,28 @@ def prefill_attention(query, key, value, cache: KVCache, layer: int, rows: torch
     return out.transpose(1, 2)
 
 
-def decode_attention(query, key, value, cache: KVCache, layer: int, budget_pages: torch.Tensor | None,
-                     scaling: float):
-    """One decode step: query/key/value [B, H, 1, D]. `budget_pages` [B] (None: dense)."""
+def decode_attention(query, key, value, cache: KVCache, layer: int, step: DecodeStep, scaling: float):
+    """One decode step: query/key/value [B, H, 1, D]; `step` holds the per-row lengths and budgets."""
     batch, q_heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    cache.write_token(layer, key[:, :, 0], value[:, :, 0])
-    total = cache.lengths + 1
+    cache.write_token(layer, key[:, :, 0], value[:, :, 0], step)
     queries = query.view(batch, kv_heads, q_heads // kv_heads, dim)
     sparse = cache.sparse
-    ps = sparse.page_size
-    n_pages = (total + ps - 1) // ps
-    dense = budget_pages is None or layer in sparse.dense_layers or bool((budget_pages >= n_pages).all())
-    if dense:
-        span = int(total.max())
+    if not step.sparse or layer in sparse.dense_layers:
+        span = step.dense_mask.shape[-1]
         keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
         values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
-        mask = (torch.arange(span, device=total.device) < total[:, None]).view(batch, 1, 1, span)
+        mask = step.dense_mask
+    elif cpu_kernel.usable(query):
+        out = cpu_kernel.sparse_decode(queries, cache.keys[layer], cache.values[layer], cache.landmarks[layer],
+                                       step.n_pages, step.budget_pages, step.total, sparse, scaling)
+        return out.reshape(batch, 1, q_heads, dim)
     else:
-        used = int(n_pages.max())
+        ps = sparse.page_size
+        used = int(step.n_pages.max())
         landmarks = [m[:, :, :used] for m in cache.landmarks[layer]]
         scores = _scores(queries.unsqueeze(2), landmarks, sparse).squeeze(2)  # [B, Hkv, P]
-        pages, valid = select_pages(scores, n_pages[:, None], budget_pages[:, None],
+        pages, valid = select_pages(scores, step.n_pages[:, None], step.budget_pages[:, None],
                                     sparse.sink_pages, sparse.recent_pages)
         k = pages.shape[-1]
         row_head = torch.arange(batch * kv_heads, device=pages.device).view(batch, kv_heads, 1)
@@ -58,8 +59,7 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, budget_pages
         keys = cache.keys[layer].view(-1, ps * dim).index_select(0, flat).view(batch, kv_heads, k * ps, dim)
         values = cache.values[layer].view(-1, ps * dim).index_select(0, flat).view(batch, kv_heads, k * ps, dim)
         slots = pages.unsqueeze(-1) * ps + torch.arange(ps, device=pages.device)
-        ok = valid.unsqueeze(-1) & (slots < total.view(batch, 1, 1, 1))
-        mask = ok.view(batch, kv_heads, 1, k * ps)
+        mask = (valid.unsqueeze(-1) & (slots < step.total.view(batch, 1, 1, 1))).view(batch, kv_heads, 1, k * ps)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(batch, 1, q_heads, dim)
 

@@ -107,7 +107,7 @@ class RolloutEngine:
         total = cache.lengths + 1
         budget = self.budgets(schedule, total)
         pages = None if schedule.is_dense else budget // self.sparse.page_size
-        ctx = AttentionContext("decode", self.sparse, cache=cache, budget_pages=pages)
+        ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages))
         logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
         cache.lengths += 1
         return logits, budget

@@ -1,0 +1,60 @@
+"""The `sparrow` command line on tiny models: output formats and clear errors."""
+
+import json
+
+import pytest
+
+from sparrow.cli import main
+
+
+def test_generate_json_has_one_line_per_completion_with_the_records(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    code = main(["generate", "--model", "tiny-qwen3", "--prompts", str(prompts), "--schedule", "const:48",
+                 "--max-new-tokens", "6", "--num-samples", "2", "--seed", "3", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        assert {"text", "token_ids", "logprobs", "kv_budget", "top_logprobs", "finish_reason"} <= set(r)
+        assert len(r["token_ids"]) == len(r["logprobs"]) == len(r["kv_budget"]) <= 6
+
+
+def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, capsys):
+    config = tmp_path / "g.yaml"
+    config.write_text("model: tiny-llama\nprompt: abc\nmax_new_tokens: 3\ntemperature: 0\n")
+    assert main(["generate", "--config", str(config), "--max-new-tokens", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert len(row["token_ids"]) <= 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "nope", "--prompt", "x"], "nope"),
+    (["generate", "--model", "tiny-llama"], "exactly one of --prompt"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:50"], "multiple of the page size"),
+    (["generate", "--model", "tiny-llama", "--prompts", "missing.jsonl"], "does not exist"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--landmark", "mean"], "unknown landmark"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--dense-layers", "0,9"], "out of range"),
+    (["bench", "--model", "tiny-llama", "--schedule", "dense"], "other than 'dense'"),
+])
+def test_bad_input_gives_one_clear_error(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_prompt_rows_are_reported_with_their_line(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    assert main(["generate", "--model", "tiny-llama", "--prompts", str(prompts)]) == 2
+    assert "p.jsonl:2" in capsys.readouterr().err
+
+
+def test_bench_reports_all_rates_as_json(capsys):
+    code = main(["bench", "--model", "tiny-llama", "--context", "256", "--batch", "2", "--steps", "3",
+                 "--repeats", "1", "--warmup", "1", "--schedule", "const:64", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("dense_tokens_per_s", "sparse_tokens_per_s", "hf_tokens_per_s", "sparse_over_dense"):
+        assert result[key] > 0
+    assert result["kv_bytes_per_step"]["sparse_kv"] < result["kv_bytes_per_step"]["dense_kv"]

@@ -1,0 +1,118 @@
+"""Rollout engine behaviour: sampling controls, stopping, shared prefills, records per token."""
+
+import pytest
+import torch
+
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine.sampling import sample
+from sparrow.errors import SparrowError
+from sparrow.schedules import DENSE, const
+from tests.conftest import random_prompts
+
+
+def test_same_seed_same_samples_and_other_seed_other_samples(llama):
+    engine = RolloutEngine(*llama)
+    prompts = random_prompts([30, 50], seed=1)
+    run = lambda seed: engine.generate(prompts, SamplingParams(max_new_tokens=20, seed=seed, ignore_eos=True),
+                                       const(48), num_samples=3)
+    first, again, other = run(1), run(1), run(2)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+
+
+def test_samples_of_one_prompt_share_the_prompt_but_differ(llama):
+    engine = RolloutEngine(*llama)
+    outs = engine.generate(random_prompts([40]), SamplingParams(max_new_tokens=16, seed=0, ignore_eos=True),
+                           num_samples=4)
+    assert [(c.prompt_index, c.sample_index) for c in outs] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert len({tuple(c.token_ids) for c in outs}) > 1
+    assert all(len(c.token_ids) == 16 and c.finish_reason == "length" for c in outs)
+
+
+def test_more_rows_than_the_batch_limit_run_in_waves_with_the_same_result(llama):
+    prompts = random_prompts([25, 35, 45], seed=2)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    wide = RolloutEngine(*llama, max_batch_size=64).generate(prompts, sampling, const(48), num_samples=2)
+    narrow = RolloutEngine(*llama, max_batch_size=2).generate(prompts, sampling, const(48), num_samples=2)
+    assert [c.token_ids for c in wide] == [c.token_ids for c in narrow]
+
+
+def test_top_k_one_is_greedy_and_logprobs_are_before_truncation(llama):
+    engine = RolloutEngine(*llama)
+    prompts = random_prompts([33], seed=3)
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))[0]
+    top1 = engine.generate(prompts, SamplingParams(max_new_tokens=10, top_k=1, seed=5, ignore_eos=True))[0]
+    assert greedy.token_ids == top1.token_ids
+    assert all(lp < 0 for lp in top1.logprobs)  # the untruncated distribution, not the one-token one
+
+
+def test_sampler_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    drawn = {int(sample(logits, SamplingParams(top_p=0.7, seed=0), gen).tokens) for _ in range(200)}
+    assert drawn == {0, 1}
+    step = sample(logits, SamplingParams(num_logprobs=2), gen)
+    assert step.top_ids.tolist() == [[0, 1]]
+    assert torch.allclose(step.top_logprobs.exp(), torch.tensor([[0.5, 0.3]]))
+
+
+def test_temperature_scales_the_reported_logprobs():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    step = sample(logits, SamplingParams(temperature=0.5, num_logprobs=3), torch.Generator().manual_seed(0))
+    assert torch.allclose(step.top_logprobs, torch.log_softmax(logits / 0.5, -1).sort(descending=True).values)
+
+
+def test_eos_stops_a_sequence_and_is_kept_as_its_last_token(llama):
+    model, tok = llama
+    engine = RolloutEngine(model, tok)
+    prompt = random_prompts([30], seed=4)
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))[0]
+    engine.eos_ids = {free.token_ids[3]}
+    stopped = engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0))[0]
+    first = free.token_ids.index(free.token_ids[3])
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_stop_strings_end_the_completion_and_are_cut_from_the_text(llama):
+    model, tok = llama
+    engine = RolloutEngine(model, tok)
+    prompt = random_prompts([30], seed=6)
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop = tok.decode(free.token_ids[5:7])
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 7
+    assert stop not in out.text and free.text.startswith(out.text)
+
+
+def test_chat_prompts_use_the_chat_template(llama):
+    model, tok = llama
+    engine = RolloutEngine(model, tok)
+    messages = [{"role": "user", "content": "hi"}]
+    ids = engine.encode(messages)
+    assert ids == engine.encode("hi", apply_chat_template=True)
+    assert "<|im_start|>user" in tok.decode(ids, skip_special_tokens=False)
+
+
+def test_too_long_a_request_and_bad_settings_fail_clearly(llama):
+    engine = RolloutEngine(*llama)
+    with pytest.raises(SparrowError, match="exceeds the model's 8192 positions"):
+        engine.generate([[5] * 8000], SamplingParams(max_new_tokens=500))
+    with pytest.raises(SparrowError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(SparrowError, match="num_samples"):
+        engine.generate(["x"], num_samples=0)
+    with pytest.raises(SparrowError, match="not a positive multiple"):
+        engine.generate(["x"], schedule=const(40))
+
+
+def test_records_per_token_have_one_entry_per_generated_token(llama):
+    engine = RolloutEngine(*llama)
+    out = engine.generate(random_prompts([70]), SamplingParams(max_new_tokens=9, seed=0, num_logprobs=4,
+                                                               ignore_eos=True), const(48))[0]
+    assert len(out.logprobs) == len(out.kv_budget) == len(out.top_logprobs) == 9
+    assert all(len(row) == 4 for row in out.top_token_ids)
+    assert out.kv_budget == [70] + [48] * 8
+    for lp, tops in zip(out.logprobs, out.top_logprobs):
+        assert tops == sorted(tops, reverse=True) and lp <= tops[0] + 1e-6
+    dense = engine.generate(random_prompts([70]), SamplingParams(max_new_tokens=3, seed=0), DENSE)[0]
+    assert dense.kv_budget == [70, 71, 72][: len(dense.token_ids)]
