@@ -7,9 +7,9 @@ import sys
 
 from sparrow.errors import SparrowError
 
-from . import bench, generate, schedule
+from . import bench, calibrate, cost, generate, profile, prompts, schedule
 
-COMMANDS = (schedule, generate, bench)
+COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost)
 
 
 def build_parser() -> argparse.ArgumentParser:

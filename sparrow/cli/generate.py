@@ -9,6 +9,7 @@ from pathlib import Path
 
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.io import read_jsonl
 
 from .common import MODEL_HELP, ModelOptions
 from .config import add_config_options, load_config
@@ -62,20 +63,12 @@ HELP = {
 def read_prompts(path: str) -> list:
     """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages."""
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SparrowError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        prompt = row.get("prompt") if isinstance(row, dict) else None
+    for number, row in read_jsonl(path):
+        prompt = row.get("prompt")
         is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
         if not (isinstance(prompt, str) and prompt) and not (is_chat and prompt):
             raise SparrowError(f"{path}:{number}: expected a 'prompt' field holding text or chat messages")
         prompts.append(prompt)
-    if not prompts:
-        raise SparrowError(f"prompts file {path!r} holds no prompts")
     return prompts
 
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from sparrow.attention import AttentionContext, KVCache, SparseConfig, enable_sparse_attention
 from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
+from sparrow.metrics import acceptance_rate
 from sparrow.schedules import DENSE, Schedule
 
 from .sampling import SamplingParams, StepSample, sample
@@ -116,8 +117,13 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None,
                  schedule: Schedule = DENSE, num_samples: int = 1, apply_chat_template: bool = False,
-                 progress: bool = False) -> list[Completion]:
-        """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index."""
+                 progress: bool = False, reference: Schedule | None = None) -> list[Completion]:
+        """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index.
+
+        With `reference` (usually DENSE), a second cache decodes the same tokens under that schedule in lockstep,
+        and every completion records the exact acceptance rate of each of its tokens: sum_v min(p, q) of the
+        rollout distribution p and the reference policy's q on the same prefix, after temperature.
+        """
         sampling = sampling or SamplingParams()
         if num_samples < 1:
             raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
@@ -133,23 +139,30 @@ class RolloutEngine:
         bar = tqdm(total=len(prompts) * num_samples, desc="generating", unit="seq", disable=not progress)
         for start in range(0, len(prompts), per_wave):
             wave = list(range(start, min(start + per_wave, len(prompts))))
-            results += self._generate_wave(wave, encoded, sampling, schedule, num_samples, generator, bar)
+            results += self._generate_wave(wave, encoded, sampling, schedule, num_samples, generator, bar, reference)
         bar.close()
         return results
 
-    def _generate_wave(self, wave, encoded, sampling, schedule, num_samples, generator, bar) -> list[Completion]:
+    def _generate_wave(self, wave, encoded, sampling, schedule, num_samples, generator, bar,
+                       reference: Schedule | None) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
         cache = self.new_cache(len(wave) * num_samples, capacity)
         seqs, logits = [], []
         for j, i in enumerate(wave):
             rows = torch.arange(j * num_samples, (j + 1) * num_samples, device=self.device)
             logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
-            seqs += [Completion(i, s, encoded[i]) for s in range(num_samples)]
+            seqs += [Completion(i, s, encoded[i], acceptance=[] if reference is not None else None)
+                     for s in range(num_samples)]
         logits = torch.cat(logits)
         budget = cache.lengths.clone()
         live = list(seqs)
+        ref_cache, ref_logits = (cache.clone(), logits) if reference is not None else (None, None)
+        temperature = 1.0 if sampling.greedy else sampling.temperature
         while True:
             step = sample(logits, sampling, generator)
+            if ref_cache is not None:
+                for seq, alpha in zip(live, acceptance_rate(logits, ref_logits, temperature).tolist()):
+                    seq.acceptance.append(alpha)
             self._record(live, step, budget, sampling)
             keep = [r for r, seq in enumerate(live) if not seq.finished]
             bar.update(len(live) - len(keep))
@@ -158,9 +171,13 @@ class RolloutEngine:
             if len(keep) < len(live):
                 index = torch.tensor(keep, device=self.device)
                 cache.keep(index)
+                if ref_cache is not None:
+                    ref_cache.keep(index)
                 live = [live[r] for r in keep]
                 step.tokens = step.tokens.index_select(0, index)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
+            if ref_cache is not None:
+                ref_logits, _ = self.decode_step(ref_cache, step.tokens, reference)
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs

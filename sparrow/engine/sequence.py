@@ -11,7 +11,8 @@ class Completion:
 
     kv_budget is the number of KV tokens the sparse layers were allowed to attend for that token: the schedule's
     budget on sparse decode steps, the cached length where attention was dense (prefill, dense schedule).
-    finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens).
+    finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens). acceptance: per token, the exact
+    acceptance rate against a reference policy, when generation was asked to measure it.
     """
 
     prompt_index: int
@@ -24,6 +25,7 @@ class Completion:
     kv_budget: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    acceptance: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -32,5 +34,7 @@ class Completion:
     def to_json(self) -> dict:
         record = asdict(self)
         record.pop("prompt_token_ids")
+        if record["acceptance"] is None:
+            record.pop("acceptance")
         record["prompt_length"] = len(self.prompt_token_ids)
         return record

@@ -1,0 +1,92 @@
+"""Pick the cheapest schedule that holds the tail acceptance at or above tau in every length bin (pure).
+
+Input: a profile (see profiling.py) measured with several schedules, binned by total cached length. For every
+bin, each profiled schedule offers the budget it had there and the 5th percentile it reached; the calibrated
+schedule takes the smallest budget whose 5th percentile is at least tau + margin (with enough tokens to trust
+it), then is made non-decreasing in length, so a longer sequence never gets less than a shorter one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparrow.errors import SparrowError
+from sparrow.schedules import Schedule
+
+
+@dataclass(frozen=True)
+class BinChoice:
+    start: int
+    end: int
+    budget: int
+    p5: float
+    tokens: int
+    source: str
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def offered_budget(spec: dict, start: int, end: int, page_size: int) -> int:
+    """The largest budget a profiled schedule used in [start, end) (dense: enough to cover the bin)."""
+    bins = spec.get("budgets") or []
+    if not bins:
+        return _round_up(end, page_size)
+    inside = [b["kv_budget"] for b in bins if start <= b["start"] < end]
+    before = [b["kv_budget"] for b in bins if b["start"] <= start]
+    return max(inside + before[-1:])
+
+
+def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 50,
+              page_size: int = 16) -> tuple[Schedule, list[BinChoice]]:
+    """The calibrated schedule and, per bin, what was chosen and why."""
+    if not 0.0 < tau <= 1.0:
+        raise SparrowError(f"tau must be in (0, 1], got {tau}")
+    if margin < 0:
+        raise SparrowError(f"margin must be >= 0, got {margin}")
+    meta = profile.get("meta", {})
+    if meta.get("length_origin", "total") != "total":
+        raise SparrowError("calibration needs a profile binned by total cached length (--length-origin total), "
+                           "the length schedules are keyed by")
+    schedules = profile.get("schedules") or {}
+    if not schedules:
+        raise SparrowError("the profile holds no schedules")
+    by_bin: dict[int, list[tuple[int, float, int, str]]] = {}
+    edges: dict[int, tuple[int, int]] = {}
+    for name, spec in schedules.items():
+        for b in spec["bins"]:
+            budget = offered_budget(spec, b["start"], b["end"], page_size)
+            by_bin.setdefault(b["bin"], []).append((budget, b["p5"], b["count"], name))
+            edges[b["bin"]] = (b["start"], b["end"])
+    need = tau + margin
+    choices, failures = [], []
+    for k in sorted(by_bin):
+        start, end = edges[k]
+        trusted = [c for c in by_bin[k] if c[2] >= min_tokens]
+        good = sorted(c for c in trusted if c[1] >= need)
+        if good:
+            budget, p5, count, name = good[0]
+            choices.append(BinChoice(start, end, budget, p5, count, name))
+            continue
+        if trusted:
+            best = max(trusted, key=lambda c: c[1])
+            largest = max(c[0] for c in trusted)
+            failures.append(f"[{start}, {end}): best 5th percentile {best[1]:.4f} ({best[3]}), need {need:.4f}; "
+                            f"profile budgets above {largest} (e.g. const:{2 * largest})")
+        else:
+            failures.append(f"[{start}, {end}): fewer than {min_tokens} tokens in every schedule; profile more "
+                            "prompts or samples, or lower --min-tokens")
+    if failures:
+        raise SparrowError("no profiled budget reaches tau in these bins:\n  " + "\n  ".join(failures))
+    budgets, running = [], 0
+    for choice in choices:
+        running = max(running, choice.budget)
+        budgets.append(running)
+    starts, values = [], []
+    for i, (choice, budget) in enumerate(zip(choices, budgets)):
+        if values and values[-1] == budget:
+            continue
+        starts.append(0 if i == 0 else choice.start)
+        values.append(budget)
+    return Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values)), choices

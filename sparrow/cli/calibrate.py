@@ -1,0 +1,83 @@
+"""`sparrow calibrate`: the cheapest schedule holding the 5th-percentile acceptance at or above tau per bin."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.calibration import calibrate
+from sparrow.cost_model import compare, hardware
+from sparrow.errors import SparrowError
+from sparrow.schedules import write_schedule_json
+
+from .config import add_config_options, load_config
+from .cost import model_dims
+
+
+@dataclass
+class CalibrateConfig:
+    profile: str | None = None
+    tau: float = 0.86
+    margin: float = 0.0
+    min_tokens: int = 50
+    out: str = "schedule.json"
+    hardware: str = "h200"
+    peak_flops: float | None = None
+    bandwidth: float | None = None
+    samples: int = 8
+
+    def validate(self) -> None:
+        if self.profile is None:
+            raise SparrowError("give --profile DIR/profile.json (made by 'sparrow profile')")
+        if not Path(self.profile).is_file():
+            raise SparrowError(f"profile {self.profile!r} does not exist")
+        if self.min_tokens < 1 or self.samples < 1:
+            raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
+        hardware(self.hardware, self.peak_flops, self.bandwidth)
+
+
+HELP = {
+    "profile": "profile.json written by 'sparrow profile'",
+    "tau": "target 5th percentile of the acceptance rate in every bin",
+    "margin": "extra headroom above tau against measurement noise",
+    "min_tokens": "tokens a bin needs before its percentile is trusted",
+    "out": "schedule file to write (JSON; any command's --schedule accepts it)",
+    "hardware": "cost-model hardware for the predicted speedup: h100, h200, b200, a100 or cpu",
+    "peak_flops": "peak FLOP/s (required for cpu)",
+    "bandwidth": "memory bandwidth in bytes/s (required for cpu)",
+    "samples": "samples per prompt assumed by the predicted speedup",
+}
+
+
+def run(args) -> int:
+    config = load_config(CalibrateConfig, args)
+    try:
+        profile = json.loads(Path(config.profile).read_text())
+    except json.JSONDecodeError as err:
+        raise SparrowError(f"profile {config.profile!r} is not valid JSON: {err}") from None
+    meta = profile.get("meta", {})
+    page_size = meta.get("sparse", {}).get("page_size", 16)
+    schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size)
+    print(f"calibrated for tau = {config.tau} (margin {config.margin}), bins of {meta.get('bin_size')} tokens:")
+    print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'budget':>7}  from")
+    for c in choices:
+        print(f"{f'[{c.start}, {c.end})':>22} {c.tokens:>7} {c.p5:>7.4f} {c.budget:>7}  {c.source}")
+    print("schedule: " + ", ".join(f"{s}:{b}" for s, b in zip(schedule.starts, schedule.budgets)))
+    write_schedule_json(schedule, config.out, page_size)
+    print(f"wrote {config.out}")
+    if schedule.budgets and "model" in meta:
+        hw = hardware(config.hardware, config.peak_flops, config.bandwidth)
+        prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
+        gen_len = meta.get("sampling", {}).get("max_new_tokens", 1)
+        result = compare(model_dims(meta["model"]), hw, schedule, prompt_len, gen_len, config.samples,
+                         page_size=page_size)
+        print(f"predicted speedup on {hw.name} (cost model, {prompt_len}-token prompts, {gen_len} generated, "
+              f"{config.samples} samples): {result['predicted_speedup']:.2f}x")
+    return 0
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("calibrate", help="pick the cheapest schedule that holds tau in every length bin")
+    add_config_options(parser, CalibrateConfig, HELP)
+    parser.set_defaults(run=run)

@@ -1,0 +1,236 @@
+"""`sparrow cost`: predicted cost of dense vs sparse rollouts from a model's config (no weights are loaded)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.cost_model import ALWAYS_KEPT_PAGES, ModelDims, compare, hardware, paper_cost
+from sparrow.errors import SparrowError
+from sparrow.schedules import Schedule, parse_schedule
+
+from .config import add_config_options, load_config
+
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
+"""SmolLM2-135M(-Instruct)'s published config.json (HuggingFaceTB/SmolLM2-135M-Instruct)."""
+
+
+def _qwen3(layers, hidden, heads, kv_heads, intermediate, tied):
+    return {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": 128, "intermediate_size": intermediate,
+            "vocab_size": 151936, "tie_word_embeddings": tied}
+
+
+QWEN3 = {
+    "qwen3-1.7b": _qwen3(28, 2048, 16, 8, 6144, True),
+    "qwen3-4b": _qwen3(36, 2560, 32, 8, 9728, True),
+    "qwen3-8b": _qwen3(36, 4096, 32, 8, 12288, False),
+    "qwen3-14b": _qwen3(40, 5120, 40, 8, 17408, False),
+}
+"""Shapes from the published config.json of Qwen/Qwen3-{1.7B,4B,8B,14B}."""
+
+
+def model_config(spec: str):
+    """A Hugging Face config for a model name or a local directory; never loads weights or reaches the Hub."""
+    from transformers import AutoConfig, LlamaConfig, Qwen3Config
+
+    from sparrow.models import TINY_MODELS, tiny_tokenizer
+
+    if spec == "smollm2-135m":
+        return LlamaConfig(**SMOLLM2_135M)
+    if spec in QWEN3:
+        return Qwen3Config(**QWEN3[spec])
+    if spec in TINY_MODELS:
+        tiny = TINY_MODELS[spec]
+        return tiny.config_class(vocab_size=len(tiny_tokenizer()), **tiny.kwargs)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise SparrowError(f"cannot read the config of model directory {str(path)!r}: {err}") from None
+    names = ", ".join(["smollm2-135m", *QWEN3, *TINY_MODELS])
+    raise SparrowError(f"unknown model {spec!r}: expected one of {names} or a local directory with a config.json")
+
+
+def model_dims(spec: str) -> ModelDims:
+    """The cost model's dimensions of a model name or directory."""
+    return ModelDims.from_config(model_config(spec))
+
+
+@dataclass
+class CostConfig:
+    model: str = "smollm2-135m"
+    schedule: str | None = None
+    prompt_len: int = 256
+    gen_len: int = 32768
+    samples: int = 8
+    hardware: str = "h200"
+    peak_flops: float | None = None
+    bandwidth: float | None = None
+    page_size: int = 16
+    page_sizes: str | None = None
+    dense_layers: str = "0,1"
+    landmark: str = "centroid"
+    kv_bytes: float = 2
+    param_bytes: float = 2
+    json: bool = False
+
+    def validate(self) -> None:
+        if self.schedule is None:
+            raise SparrowError("give --schedule (a sparse schedule to compare with dense attention)")
+        for name in ("prompt_len", "gen_len", "samples"):
+            if getattr(self, name) < 1:
+                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.parsed_schedule().is_dense:
+            raise SparrowError("schedule 'dense' leaves nothing to compare; give a sparse --schedule")
+        self.page_size_list()
+        self.hw()
+
+    def parsed_schedule(self) -> Schedule:
+        return parse_schedule(self.schedule, self.page_size, ALWAYS_KEPT_PAGES)
+
+    def page_size_list(self) -> list[int]:
+        if not self.page_sizes:
+            return []
+        try:
+            sizes = [int(x) for x in str(self.page_sizes).split(",") if x.strip()]
+        except ValueError:
+            raise SparrowError(f"page_sizes must be comma-separated integers, got {self.page_sizes!r}") from None
+        if not sizes or min(sizes) < 1:
+            raise SparrowError(f"page_sizes must be positive integers, got {self.page_sizes!r}")
+        return sizes
+
+    def dense_layer_count(self, layers: int) -> int:
+        try:
+            indices = {int(x) for x in str(self.dense_layers).split(",") if x.strip()}
+        except ValueError:
+            raise SparrowError(f"dense_layers must be comma-separated integers, got {self.dense_layers!r}") from None
+        bad = sorted(i for i in indices if not 0 <= i < layers)
+        if bad:
+            raise SparrowError(f"dense_layers {bad} out of range for a model with {layers} layers")
+        return len(indices)
+
+    def hw(self):
+        return hardware(self.hardware, self.peak_flops, self.bandwidth)
+
+
+HELP = {
+    "model": "smollm2-135m, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny-llama, tiny-qwen2, tiny-qwen3 or a "
+             "local Hugging Face model directory (only its config.json is read)",
+    "schedule": "sparse schedule: const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON file",
+    "prompt_len": "prompt tokens (one shared prefill)",
+    "gen_len": "generated tokens per sample (decode steps)",
+    "samples": "samples decoded together from the prompt",
+    "hardware": "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)",
+    "peak_flops": "peak dense FLOP/s (overrides the preset)",
+    "bandwidth": "memory bandwidth in bytes/s (overrides the preset)",
+    "page_size": "tokens per KV page",
+    "page_sizes": "comma-separated page sizes to compare at the same token budgets, e.g. 16,32,64,128",
+    "dense_layers": "comma-separated layer indices that always attend densely",
+    "landmark": "page landmark: centroid or quest",
+    "kv_bytes": "bytes per cached K/V element",
+    "param_bytes": "bytes per weight",
+    "json": "print one JSON object",
+}
+
+
+def _whole(value: float) -> float | int:
+    """An integral byte size as an int, so byte and FLOP counts stay exact integers."""
+    return int(value) if float(value).is_integer() else value
+
+
+def evaluate(config: CostConfig) -> dict:
+    """The whole report as a dict (what --json prints)."""
+    dims = model_dims(config.model)
+    hw = config.hw()
+    schedule = config.parsed_schedule()
+    options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": config.landmark,
+               "bytes_per_param": _whole(config.param_bytes), "bytes_per_kv": _whole(config.kv_bytes)}
+    trajectory = (dims, hw, schedule, config.prompt_len, config.gen_len, config.samples)
+    result = compare(*trajectory, page_size=config.page_size, **options)
+    rows = []
+    for size in config.page_size_list():
+        try:
+            schedule.validate(size, ALWAYS_KEPT_PAGES)
+        except SparrowError as err:
+            rows.append({"page_size": size, "skipped": str(err)})
+            continue
+        row = compare(*trajectory, page_size=size, **options)
+        rows.append({"page_size": size, "sparse_cost": row["sparse_cost"],
+                     "predicted_speedup": row["predicted_speedup"],
+                     "sparse_attention_share": row["sparse_attention_share"]})
+    final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
+    paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, config.page_size)
+    return {
+        "model": config.model,
+        "params": dims.params,
+        "kv_width": dims.kv_width,
+        "gqa_ratio": dims.gqa_ratio,
+        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth": hw.bandwidth,
+                     "intensity": hw.intensity},
+        "schedule": schedule.name,
+        "prompt_len": config.prompt_len,
+        "gen_len": config.gen_len,
+        "samples": config.samples,
+        "page_size": config.page_size,
+        **result,
+        "page_sizes": rows,
+        "paper": {**paper, "budget": final_budget},
+    }
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(header)]
+    return ["  ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
+            for row in (header, *rows)]
+
+
+def _print(report: dict) -> None:
+    hw = report["hardware"]
+    print(f"model {report['model']}: {report['params'] / 1e9:.3f}B params, KV width {report['kv_width']}, "
+          f"GQA ratio {report['gqa_ratio']:g}")
+    print(f"hardware {hw['name']}: {hw['peak_flops'] / 1e12:g} TFLOP/s, {hw['bandwidth'] / 1e12:g} TB/s, "
+          f"I = {hw['intensity']:.1f} FLOP/byte")
+    print(f"trajectory: {report['prompt_len']} prompt + {report['gen_len']} generated tokens x {report['samples']} "
+          f"samples, schedule {report['schedule']}, page size {report['page_size']}")
+    print()
+    rows = [("dense", f"{report['dense_cost']:.4g}", f"{report['dense_attention_share']:.1%}"),
+            ("sparse", f"{report['sparse_cost']:.4g}", f"{report['sparse_attention_share']:.1%}")]
+    for line in _table(("", "cost (equivalent FLOPs)", "attention share"), rows):
+        print(line)
+    print(f"predicted speedup: {report['predicted_speedup']:.2f}x")
+    paper = report["paper"]
+    print(f"paper formula (constant budget {paper['budget']} tokens): speedup {paper['speedup']:.2f}x")
+    if report["page_sizes"]:
+        print()
+        print("page sizes at the same token budgets:")
+        rows = []
+        for row in report["page_sizes"]:
+            if "skipped" in row:
+                rows.append((str(row["page_size"]), "-", "-", "skipped: " + row["skipped"]))
+            else:
+                rows.append((str(row["page_size"]), f"{row['sparse_cost']:.4g}",
+                             f"{row['predicted_speedup']:.2f}x", ""))
+        for line in _table(("page size", "sparse cost", "speedup", ""), rows):
+            print(line.rstrip())
+
+
+def run(args) -> int:
+    config = load_config(CostConfig, args)
+    report = evaluate(config)
+    if config.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    return 0
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("cost", help="predict the cost of dense vs sparse rollouts (no weights loaded)",
+                            description="Predict the cost of dense vs sparse rollouts in equivalent FLOPs "
+                                        "(FLOPs + I x bytes; docs/cost-model.md).")
+    add_config_options(parser, CostConfig, HELP)
+    parser.set_defaults(run=run)

@@ -1,0 +1,59 @@
+"""`sparrow prompts`: write a built-in prompt set (no download) as JSONL."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sparrow.errors import SparrowError
+from sparrow.io import atomic_write_text
+from sparrow.tasks.records import make_prompts
+
+from .config import add_config_options, load_config
+
+TASKS = ("records",)
+
+
+@dataclass
+class PromptsConfig:
+    task: str = "records"
+    count: int = 8
+    min_tokens: int = 3000
+    seed: int = 0
+    model: str = "smollm2-135m"
+    out: str | None = None
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise SparrowError(f"unknown task {self.task!r}: expected one of {', '.join(TASKS)}")
+        if self.count < 1 or self.min_tokens < 1:
+            raise SparrowError(f"count and min_tokens must be >= 1, got {self.count} and {self.min_tokens}")
+
+
+HELP = {
+    "task": "records: a long storage ledger and a question about one entry (answer: an integer)",
+    "count": "number of prompts",
+    "min_tokens": "minimum prompt length in tokens, chat template included",
+    "model": "whose tokenizer measures the length",
+    "out": "output JSONL file (default: standard output)",
+}
+
+
+def run(args) -> int:
+    config = load_config(PromptsConfig, args)
+    from sparrow.models import load_model
+
+    _, tokenizer = load_model(config.model)
+    rows = make_prompts(config.count, config.min_tokens, config.seed, tokenizer)
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    if config.out:
+        atomic_write_text(config.out, text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("prompts", help="write a built-in long-prompt set as JSONL")
+    add_config_options(parser, PromptsConfig, HELP)
+    parser.set_defaults(run=run)

@@ -1,0 +1,355 @@
+"""Cost of dense vs sparse rollouts in "equivalent FLOPs" (SPEC section 6), derived per decode step.
+
+A decode step costs `flops + I * bytes`, with I = peak FLOP/s / memory bandwidth, so a byte moved counts as the
+FLOPs the chip could have done in the time it takes to move it. Per step we count the weight reads (once for the
+whole batch), the K/V reads of the attended tokens and the landmark reads of sparse layers (per sequence), the
+projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the decode steps of `samples`
+sequences that share one prompt, plus one dense prefill of that prompt. `paper_cost` is the paper's printed
+approximation, kept for comparison; docs/cost-model.md derives both and lists where they differ.
+
+Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts are exact Python integers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparrow.errors import SparrowError
+from sparrow.schedules import DENSE, Schedule
+
+ALWAYS_KEPT_PAGES = 3
+"""Pages a sparse step always attends: 1 sink page and the 2 most recent pages (SPEC section 3)."""
+
+LANDMARKS = ("centroid", "quest")
+
+_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes of a dense decoder-only transformer (Llama / Qwen2 / Qwen3 style) that the cost depends on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> ModelDims:
+        """Read a Hugging Face config; params = embeddings + attention + gated MLP + norms (+ untied lm_head).
+
+        Biases (always on q/k/v for Qwen2; `attention_bias` / `mlp_bias` elsewhere) and Qwen3's per-head q/k norms
+        are counted too, so params equals the model's parameter count.
+        """
+        for name in _CONFIG_FIELDS:
+            if getattr(config, name, None) is None:
+                kind = type(config).__name__
+                raise SparrowError(f"model config ({kind}) has no {name!r}; expected a Llama/Qwen2/Qwen3-style "
+                                   f"config with {', '.join(_CONFIG_FIELDS)}")
+        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+            raise SparrowError(f"model config ({type(config).__name__}) is a mixture of experts; "
+                               "the cost model covers dense models only")
+        layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        intermediate, vocab = int(config.intermediate_size), int(config.vocab_size)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        model_type = getattr(config, "model_type", "")
+        q, kv = heads * head_dim, kv_heads * head_dim
+        attn = hidden * q + 2 * hidden * kv + q * hidden
+        if model_type == "qwen2":
+            attn += q + 2 * kv
+        elif getattr(config, "attention_bias", False):
+            attn += q + 2 * kv + hidden
+        mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if getattr(config, "mlp_bias", False) else 0)
+        norms = 2 * hidden + (2 * head_dim if model_type == "qwen3" else 0)
+        params = vocab * hidden * (1 if tied else 2) + layers * (attn + mlp + norms) + hidden
+        return cls(layers, hidden, heads, kv_heads, int(head_dim), intermediate, vocab, params, tied)
+
+    @property
+    def kv_width(self) -> int:
+        """D of SPEC 6: K (or V) elements cached per token over all layers = layers * kv_heads * head_dim."""
+        return self.layers * self.kv_heads * self.head_dim
+
+    @property
+    def gqa_ratio(self) -> float:
+        """r of SPEC 6: query heads per KV head."""
+        return self.heads / self.kv_heads
+
+    @property
+    def step_params(self) -> int:
+        """Parameters a decode step reads and multiplies by: all but an untied input embedding table.
+
+        The input embedding is a gather of one row per token; with tied embeddings the same table is read whole
+        as the lm_head, so it stays in.
+        """
+        return self.params - (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator: dense bf16 peak FLOP/s and memory bandwidth in bytes/s."""
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+
+    @property
+    def intensity(self) -> float:
+        """I of SPEC 6: FLOPs per byte at which compute and memory time are equal (peak_flops / bandwidth)."""
+        return self.peak_flops / self.bandwidth
+
+
+HARDWARE = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense), 3.35 TB/s HBM3.
+    "h100": Hardware("h100", 989e12, 3.35e12),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense), 4.8 TB/s HBM3e.
+    "h200": Hardware("h200", 989e12, 4.8e12),
+    # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense), 8 TB/s HBM3e.
+    "b200": Hardware("b200", 2.25e15, 8.0e12),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 312 TFLOPS dense, 2,039 GB/s HBM2e.
+    "a100": Hardware("a100", 312e12, 2.039e12),
+}
+"""Published peaks. `cpu` has no preset: its numbers depend on the machine and must be given."""
+
+
+def hardware(name: str, peak_flops: float | None = None, bandwidth: float | None = None) -> Hardware:
+    """A preset by name, with either number overridable; `cpu` needs both numbers."""
+    key = str(name).strip().lower()
+    for what, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
+        if value is not None and not value > 0:
+            raise SparrowError(f"{what} must be a positive number, got {value!r}")
+    if key == "cpu":
+        missing = [flag for flag, value in (("--peak-flops", peak_flops), ("--bandwidth", bandwidth)) if value is None]
+        if missing:
+            raise SparrowError(f"hardware 'cpu' has no published numbers: give {' and '.join(missing)} "
+                               "(FLOP/s and bytes/s of this machine)")
+        return Hardware("cpu", float(peak_flops), float(bandwidth))
+    if key not in HARDWARE:
+        raise SparrowError(f"unknown hardware {name!r}: expected one of {', '.join(HARDWARE)} or cpu "
+                           "(with --peak-flops and --bandwidth)")
+    preset = HARDWARE[key]
+    return Hardware(key, float(peak_flops) if peak_flops is not None else preset.peak_flops,
+                    float(bandwidth) if bandwidth is not None else preset.bandwidth)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs, bytes and equivalent FLOPs (`cost = flops + I * bytes`) of one decode step or a sum of them.
+
+    flops = proj_flops + attn_flops + score_flops; bytes = weight_bytes + kv_bytes + landmark_bytes.
+    attention_share is the part of `cost` due to attention: K/V and landmark bytes, attention and scoring FLOPs.
+    """
+
+    flops: int
+    bytes: int
+    cost: float
+    attention_share: float
+    weight_bytes: int
+    kv_bytes: int
+    landmark_bytes: int
+    proj_flops: int
+    attn_flops: int
+    score_flops: int
+
+
+@dataclass(frozen=True)
+class TrajectoryCost(StepCost):
+    """The totals of a trajectory (fields of StepCost) and its two phases: one prefill, `steps` decode steps."""
+
+    prefill: StepCost
+    decode: StepCost
+    steps: int
+    samples: int
+
+
+def _cost(intensity: float, *, weight_bytes: int, kv_bytes: int, landmark_bytes: int, proj_flops: int,
+          attn_flops: int, score_flops: int) -> StepCost:
+    """Assemble a StepCost from its parts."""
+    flops = proj_flops + attn_flops + score_flops
+    nbytes = weight_bytes + kv_bytes + landmark_bytes
+    cost = flops + intensity * nbytes
+    attention = attn_flops + score_flops + intensity * (kv_bytes + landmark_bytes)
+    return StepCost(flops, nbytes, cost, attention / cost if cost else 0.0, weight_bytes, kv_bytes, landmark_bytes,
+                    proj_flops, attn_flops, score_flops)
+
+
+def _add(intensity: float, a: StepCost, b: StepCost) -> StepCost:
+    names = ("weight_bytes", "kv_bytes", "landmark_bytes", "proj_flops", "attn_flops", "score_flops")
+    return _cost(intensity, **{n: getattr(a, n) + getattr(b, n) for n in names})
+
+
+def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv):
+    """Raise SparrowError for settings the model cannot price."""
+    if page_size < 1:
+        raise SparrowError(f"page size must be a positive integer, got {page_size}")
+    if not 0 <= dense_layers <= dims.layers:
+        raise SparrowError(f"dense_layers must be between 0 and the model's {dims.layers} layers, got {dense_layers}")
+    if landmark not in LANDMARKS:
+        raise SparrowError(f"unknown landmark {landmark!r}: expected one of {', '.join(LANDMARKS)}")
+    for what, value in (("bytes_per_param", bytes_per_param), ("bytes_per_kv", bytes_per_kv)):
+        if not value > 0:
+            raise SparrowError(f"{what} must be positive, got {value!r}")
+
+
+def _budget_pages(budget: np.ndarray, page_size: int) -> np.ndarray:
+    """Whole pages of each token budget; a budget below the always-kept pages cannot be honoured."""
+    pages = budget // page_size
+    if pages.size and int(pages.min()) < ALWAYS_KEPT_PAGES:
+        low = int(budget[int(np.argmin(pages))])
+        raise SparrowError(f"KV budget {low} is below the {ALWAYS_KEPT_PAGES} always-kept pages of {page_size} "
+                           f"tokens ({ALWAYS_KEPT_PAGES * page_size} tokens)")
+    return pages
+
+
+def _sparse_counts(cached: np.ndarray, budget: np.ndarray | None, page_size: int) -> tuple[int, int]:
+    """(tokens attended, landmarks scored) by one sequence in one sparse layer, summed over the given steps.
+
+    With P = ceil(n / ps) pages and k budget pages: if P <= k the step is dense (n tokens, no scoring); else k
+    pages are attended, the last of them the current page, so k * ps tokens minus that page's P * ps - n empty
+    slots, and the landmarks of all n // ps full pages are read.
+    """
+    if budget is None:
+        return int(cached.sum()), 0
+    pages = -(-cached // page_size)
+    k = _budget_pages(budget, page_size)
+    selecting = pages > k
+    attended = np.where(selecting, k * page_size - (pages * page_size - cached), cached)
+    scored = np.where(selecting, cached // page_size, 0)
+    return int(attended.sum()), int(scored.sum())
+
+
+def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: int, sum_sparse: int,
+            sum_scored: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv) -> StepCost:
+    """Cost of `steps` decode steps of `batch` sequences from token and landmark counts summed over the steps."""
+    sparse_layers = dims.layers - dense_layers
+    per_kv_head = dims.kv_heads * dims.head_dim
+    tokens_read = dense_layers * sum_cached + sparse_layers * sum_sparse
+    lm_factor = 2 if landmark == "quest" else 1
+    score_per_page = 4 * dims.heads * dims.head_dim if landmark == "quest" else 2 * per_kv_head
+    return _cost(
+        hw.intensity,
+        weight_bytes=steps * dims.step_params * bytes_per_param,
+        kv_bytes=batch * 2 * per_kv_head * bytes_per_kv * (tokens_read + steps * dims.layers),
+        landmark_bytes=batch * lm_factor * per_kv_head * bytes_per_kv * sparse_layers * sum_scored,
+        proj_flops=2 * dims.step_params * batch * steps,
+        attn_flops=batch * 4 * dims.heads * dims.head_dim * tokens_read,
+        score_flops=batch * score_per_page * sparse_layers * sum_scored,
+    )
+
+
+def step_cost(dims: ModelDims, hw: Hardware, batch: int, cached: int, budget: int | None, page_size: int,
+              dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> StepCost:
+    """One decode step of `batch` sequences with `cached` tokens each (the new one included); budget None = dense.
+
+    Weights are read once for the batch (2 FLOPs per weight per sequence). Each sequence, per layer, reads K and V
+    of the tokens it attends (4 * heads * head_dim FLOPs per token for QK and PV) and writes the new token's K
+    and V; in a sparse layer that selects, it also reads the landmarks of its full pages (centroid: one vector
+    per KV head scored with the group-mean query; quest: min and max, scored per query head).
+    """
+    _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
+    if batch < 1 or cached < 1:
+        raise SparrowError(f"batch and cached length must be >= 1, got {batch} and {cached}")
+    n = np.array([cached], dtype=np.int64)
+    sum_sparse, sum_scored = _sparse_counts(n, None if budget is None else np.array([budget], np.int64), page_size)
+    return _decode(dims, hw, batch, 1, cached, sum_sparse, sum_scored, dense_layers, landmark, bytes_per_param,
+                   bytes_per_kv)
+
+
+def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param=2, bytes_per_kv=2) -> StepCost:
+    """One dense causal prefill: 2 FLOPs per weight per token, token t attends t tokens, weights read once.
+
+    Attention FLOPs: 4 * heads * head_dim per (query, key) pair, L (L + 1) / 2 pairs per layer. Bytes: the weights
+    once and the prompt's K and V written once (shared by all samples).
+    """
+    pairs = prompt_len * (prompt_len + 1) // 2
+    return _cost(
+        hw.intensity,
+        weight_bytes=dims.step_params * bytes_per_param,
+        kv_bytes=2 * dims.kv_width * prompt_len * bytes_per_kv,
+        landmark_bytes=0,
+        proj_flops=2 * dims.step_params * prompt_len,
+        attn_flops=4 * dims.heads * dims.head_dim * dims.layers * pairs,
+        score_flops=0,
+    )
+
+
+def _schedule_budgets(schedule: Schedule, cached: np.ndarray) -> np.ndarray:
+    """schedule.budget_at for every length at once."""
+    starts = np.asarray(schedule.starts, dtype=np.int64)
+    idx = np.clip(np.searchsorted(starts, cached, side="right") - 1, 0, None)
+    return np.asarray(schedule.budgets, dtype=np.int64)[idx]
+
+
+def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
+                    page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
+                    bytes_per_kv=2) -> TrajectoryCost:
+    """One shared dense prefill plus `gen_len` decode steps of `samples` sequences under `schedule`.
+
+    At decode step i (0-based) each sequence holds prompt_len + i + 1 tokens, and its budget is the schedule's
+    at that length. Steps are counted in closed form (dense) or with numpy over all steps at once (sparse).
+    """
+    _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
+    for what, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("samples", samples)):
+        if value < 1:
+            raise SparrowError(f"{what} must be >= 1, got {value}")
+    first, last = prompt_len + 1, prompt_len + gen_len
+    sum_cached = (first + last) * gen_len // 2
+    if schedule.is_dense:
+        sum_sparse, sum_scored = sum_cached, 0
+    else:
+        cached = np.arange(first, last + 1, dtype=np.int64)
+        sum_sparse, sum_scored = _sparse_counts(cached, _schedule_budgets(schedule, cached), page_size)
+    decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, dense_layers, landmark,
+                     bytes_per_param, bytes_per_kv)
+    prefill = prefill_cost(dims, hw, prompt_len, bytes_per_param, bytes_per_kv)
+    total = _add(hw.intensity, prefill, decode)
+    return TrajectoryCost(**dataclasses.asdict(total), prefill=prefill, decode=decode, steps=gen_len,
+                          samples=samples)
+
+
+def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
+            page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
+            bytes_per_kv=2) -> dict:
+    """Dense vs `schedule` over the same trajectory: costs, predicted speedup, attention shares, breakdowns."""
+    if schedule.is_dense:
+        raise SparrowError(f"schedule {schedule.name!r} is dense: nothing to compare; give a sparse schedule")
+    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
+               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options)
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options)
+    return {
+        "dense_cost": dense.cost,
+        "sparse_cost": sparse.cost,
+        "predicted_speedup": dense.cost / sparse.cost,
+        "dense_attention_share": dense.attention_share,
+        "sparse_attention_share": sparse.attention_share,
+        "dense": dataclasses.asdict(dense),
+        "sparse": dataclasses.asdict(sparse),
+    }
+
+
+def paper_cost(dims: ModelDims, hw: Hardware, budget: int, prompt_len: int, gen_len: int, samples: int,
+               page_size: int) -> dict:
+    """The paper's printed formulas (SPEC section 6), verbatim: constant budget, no weight reads, all layers sparse.
+
+    P = dims.params, N = samples, D = kv_width, r = gqa_ratio, B = budget, ps = page_size, I = hw.intensity.
+    """
+    P, N, D, r, B, ps, I = dims.params, samples, dims.kv_width, dims.gqa_ratio, budget, page_size, hw.intensity
+    L_in, L_out = prompt_len, gen_len
+    dense = (2 * P * N * L_out + r * (2 * L_in + L_out) * L_out * N * D
+             + I * (2 * L_in * L_out * D + N * L_out ** 2 * D))
+    without_scoring = 2 * N * P * L_out + 2 * r * N * D * B * L_out + 2 * I * N * D * B * L_out
+    scoring = (2 * N * L_in * D * L_out + r * N * D * L_out ** 2 / (2 * ps)
+               + 2 * I * L_in * D * L_out + I * N * D * L_out ** 2 / (2 * ps))
+    sparse = without_scoring + scoring
+    return {"dense": dense, "sparse": sparse, "speedup": dense / sparse}

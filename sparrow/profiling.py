@@ -1,0 +1,173 @@
+"""Measure how far sparse rollouts drift from the dense policy, per length bin, for several schedules.
+
+For each schedule, `profile_schedule` samples completions with that schedule while a dense cache decodes the
+same tokens in lockstep, so every generated token gets its exact acceptance rate against the dense policy on the
+same prefix. The raw per-token values are kept (one .npz per schedule) so statistics can be recomputed with any
+bin size; `run_profile` skips schedules whose values are already on disk, which makes an interrupted run resume.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.io import atomic_write_json, atomic_write_text
+from sparrow.metrics import tail_stats
+from sparrow.schedules import DENSE, Schedule
+
+LENGTH_ORIGINS = ("total", "generated")
+
+
+@dataclass
+class ScheduleSample:
+    """Per generated token: exact acceptance, cached length when produced, index in its completion, budget."""
+
+    alpha: np.ndarray
+    total_position: np.ndarray
+    generated_position: np.ndarray
+    kv_budget: np.ndarray
+
+    def positions(self, origin: str) -> np.ndarray:
+        return self.total_position if origin == "total" else self.generated_position
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, alpha=self.alpha, total_position=self.total_position,
+                 generated_position=self.generated_position, kv_budget=self.kv_budget)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "ScheduleSample":
+        with np.load(path) as data:
+            return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")})
+
+
+def prompts_hash(prompts: list) -> str:
+    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profile_schedule(engine: RolloutEngine, prompts: list, schedule: Schedule, sampling: SamplingParams,
+                     samples_per_prompt: int, apply_chat_template: bool, progress: bool) -> ScheduleSample:
+    """Sample with `schedule` and measure each token's exact acceptance against the dense policy."""
+    completions = engine.generate(prompts, sampling, schedule, samples_per_prompt, apply_chat_template,
+                                  progress=progress, reference=DENSE)
+    alpha, total, generated, budget = [], [], [], []
+    for c in completions:
+        n = len(c.token_ids)
+        alpha.append(np.asarray(c.acceptance, dtype=np.float64))
+        generated.append(np.arange(n))
+        total.append(len(c.prompt_token_ids) + np.arange(n))
+        budget.append(np.asarray(c.kv_budget))
+    return ScheduleSample(*(np.concatenate(parts) for parts in (alpha, total, generated, budget)))
+
+
+def summarize(samples: dict[str, ScheduleSample], bin_size: int, origin: str, fit_beta: bool = True) -> dict:
+    """Per schedule: token count, mean, share above 0.999 and per-bin tail statistics."""
+    out = {}
+    for name, sample in samples.items():
+        stats = tail_stats(sample.alpha, sample.positions(origin), bin_size, fit_beta=fit_beta)
+        out[name] = {"tokens": int(sample.alpha.size), **stats}
+    return out
+
+
+def write_csv(path: Path, summary: dict) -> None:
+    lines = ["schedule,bin,start,end,count,mean,p1,p5,p50,frac_above_0.999"]
+    for name, stats in summary.items():
+        for b in stats["bins"]:
+            lines.append(f"{name},{b['bin']},{b['start']},{b['end']},{b['count']},{b['mean']:.6f},{b['p1']:.6f},"
+                         f"{b['p5']:.6f},{b['p50']:.6f},{b['frac_above_tail']:.6f}")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample], origin: str,
+                 tau: float | None = None) -> list[Path]:
+    """The 5th percentile vs length for every schedule (paper figure 3, top) and alpha histograms (figure 1b)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, stats in summary.items():
+        centers = [(b["start"] + b["end"]) / 2 for b in stats["bins"]]
+        ax.plot(centers, [b["p5"] for b in stats["bins"]], marker="o", label=name)
+    if tau is not None:
+        ax.axhline(tau, color="gray", linestyle="--", label=f"tau = {tau}")
+    ax.set_xlabel("cached tokens (prompt + generated)" if origin == "total" else "generated tokens")
+    ax.set_ylabel("5th percentile of acceptance rate")
+    ax.set_title("Tail acceptance vs length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p5_path = out_dir / "p5_vs_length.png"
+    fig.savefig(p5_path, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    edges = np.linspace(0, 1, 51)
+    for name, sample in samples.items():
+        ax.hist(sample.alpha, bins=edges, histtype="step", label=f"{name} (mean {sample.alpha.mean():.3f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("per-token acceptance rate")
+    ax.set_ylabel("tokens")
+    ax.set_title("Distribution of acceptance rates")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    hist_path = out_dir / "alpha_hist.png"
+    fig.savefig(hist_path, dpi=120)
+    plt.close(fig)
+    return [p5_path, hist_path]
+
+
+def run_profile(engine: RolloutEngine, prompts: list, schedules: dict[str, Schedule], sampling: SamplingParams,
+                samples_per_prompt: int, apply_chat_template: bool, bin_size: int, origin: str, out_dir: Path,
+                meta: dict, log=print) -> dict:
+    """Profile every schedule (resuming finished ones), then write profile.json, profile.csv and the plots."""
+    if origin not in LENGTH_ORIGINS:
+        raise SparrowError(f"unknown length origin {origin!r}: expected one of {', '.join(LENGTH_ORIGINS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = json.loads(json.dumps({k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
+                                                     "sparse", "chat", "dtype")}))
+    key_path = out_dir / "run_key.json"
+    if key_path.exists():
+        previous = json.loads(key_path.read_text())
+        changed = sorted(k for k in key if previous.get(k) != key[k])
+        if changed:
+            raise SparrowError(f"{out_dir} holds a profile made with other settings ({', '.join(changed)} "
+                               "differ); use another --out or remove it")
+    else:
+        atomic_write_json(key_path, key)
+    samples = {}
+    for number, (name, schedule) in enumerate(schedules.items(), start=1):
+        path = out_dir / f"tokens-{_file_name(name)}.npz"
+        if path.exists():
+            log(f"[{number}/{len(schedules)}] {name}: done earlier, reusing {path.name}")
+            samples[name] = ScheduleSample.load(path)
+            continue
+        log(f"[{number}/{len(schedules)}] {name}: sampling {len(prompts) * samples_per_prompt} completions")
+        samples[name] = profile_schedule(engine, prompts, schedule, sampling, samples_per_prompt,
+                                         apply_chat_template, progress=True)
+        samples[name].save(path)
+        log(f"    mean alpha {samples[name].alpha.mean():.4f} over {samples[name].alpha.size} tokens")
+    summary = summarize(samples, bin_size, origin)
+    profile = {
+        "meta": {**meta, "bin_size": bin_size, "length_origin": origin,
+                 "date": datetime.datetime.now().isoformat(timespec="seconds")},
+        "schedules": {name: {"spec": name, "budgets": schedules[name].to_json(), **summary[name]}
+                      for name in schedules},
+    }
+    atomic_write_json(out_dir / "profile.json", profile)
+    write_csv(out_dir / "profile.csv", summary)
+    plot_profile(out_dir, summary, samples, origin)
+    return profile
+
+
+def _file_name(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)

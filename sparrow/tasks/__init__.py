@@ -1,0 +1,1 @@
+"""Built-in prompt sets that need no download."""

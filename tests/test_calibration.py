@@ -1,0 +1,71 @@
+"""Schedule calibration from profiles: cheapest budget per bin reaching tau, non-decreasing, clear failures."""
+
+import pytest
+
+from sparrow.calibration import calibrate
+from sparrow.errors import SparrowError
+
+
+def _profile(table, bin_size=1000, counts=500):
+    """table: {budget: [p5 of bin 0, bin 1, ...]} for const schedules (None budget = dense)."""
+    schedules = {}
+    for budget, p5s in table.items():
+        name = "dense" if budget is None else f"const:{budget}"
+        schedules[name] = {
+            "budgets": [] if budget is None else [{"start": 0, "kv_budget": budget}],
+            "bins": [{"bin": k, "start": k * bin_size, "end": (k + 1) * bin_size, "count": counts, "p5": p}
+                     for k, p in enumerate(p5s) if p is not None],
+        }
+    return {"meta": {"length_origin": "total", "bin_size": bin_size}, "schedules": schedules}
+
+
+def test_the_cheapest_budget_reaching_tau_is_chosen_per_bin_and_kept_non_decreasing():
+    profile = _profile({
+        256: [0.90, 0.84, 0.80, 0.88],   # bin 3 is noisy-high: monotonicity must not drop back to 256
+        512: [0.95, 0.87, 0.83, 0.89],
+        1024: [0.99, 0.93, 0.90, 0.86],
+    })
+    schedule, choices = calibrate(profile, tau=0.86)
+    assert [c.budget for c in choices] == [256, 512, 1024, 256]
+    assert schedule.starts == (0, 1000, 2000) and schedule.budgets == (256, 512, 1024)
+    assert schedule.budget_at(3500) == 1024
+
+
+def test_margin_asks_for_more_headroom():
+    profile = _profile({256: [0.87, 0.87], 512: [0.95, 0.92]})
+    assert calibrate(profile, 0.86)[0].budgets == (256,)
+    assert calibrate(profile, 0.86, margin=0.02)[0].budgets == (512,)
+
+
+def test_bins_with_too_few_tokens_are_not_trusted():
+    profile = _profile({256: [0.9, 0.9], 512: [0.95, 0.95]})
+    profile["schedules"]["const:256"]["bins"][1]["count"] = 10
+    assert calibrate(profile, 0.86, min_tokens=50)[0].budgets == (256, 512)
+
+
+def test_dense_in_a_bin_becomes_a_budget_covering_that_bin():
+    profile = _profile({256: [0.9, 0.5], None: [1.0, 1.0]})
+    schedule, _ = calibrate(profile, 0.86)
+    assert schedule.budgets == (256, 2000)
+
+
+def test_unreachable_bins_are_named_with_what_to_add():
+    profile = _profile({256: [0.9, 0.7, 0.6], 512: [0.95, 0.8, 0.7]})
+    with pytest.raises(SparrowError) as err:
+        calibrate(profile, 0.86)
+    message = str(err.value)
+    assert "[1000, 2000)" in message and "[2000, 3000)" in message and "[0, 1000)" not in message
+    assert "const:1024" in message
+
+
+@pytest.mark.parametrize("tau, margin, match", [(0, 0, "tau"), (1.5, 0, "tau"), (0.8, -0.1, "margin")])
+def test_bad_arguments(tau, margin, match):
+    with pytest.raises(SparrowError, match=match):
+        calibrate(_profile({256: [0.9]}), tau, margin)
+
+
+def test_a_profile_binned_by_generated_position_is_refused():
+    profile = _profile({256: [0.9]})
+    profile["meta"]["length_origin"] = "generated"
+    with pytest.raises(SparrowError, match="total cached length"):
+        calibrate(profile, 0.86)

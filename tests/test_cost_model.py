@@ -1,0 +1,258 @@
+"""The cost model of dense vs sparse rollouts (docs/cost-model.md): exact counts, the paper's formulas, the CLI."""
+
+import dataclasses
+import json
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from sparrow.cli import main
+from sparrow.cli.cost import SMOLLM2_135M, model_config, model_dims
+from sparrow.cost_model import (
+    HARDWARE,
+    Hardware,
+    ModelDims,
+    compare,
+    hardware,
+    paper_cost,
+    prefill_cost,
+    step_cost,
+    trajectory_cost,
+)
+from sparrow.errors import SparrowError
+from sparrow.schedules import DENSE, const, parse_schedule, steps
+
+SMALL = ModelDims(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=259, params=1000,
+                  tied_embeddings=True)
+TOY_HW = Hardware("toy", peak_flops=100.0, bandwidth=10.0)
+
+
+def test_smollm2_dims_and_parameter_count():
+    dims = ModelDims.from_config(LlamaConfig(**SMOLLM2_135M))
+    embed = 49152 * 576
+    per_layer = (576 * 576 + 2 * 576 * 192 + 576 * 576) + 3 * 576 * 1536 + 2 * 576
+    assert embed + 30 * per_layer + 576 == 134_515_008
+    assert dims.params == 134_515_008
+    assert dims.kv_width == 30 * 3 * 64 == 5760
+    assert dims.gqa_ratio == 3
+    assert dims.step_params == dims.params
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "qwen3-8b"])
+def test_parameter_count_matches_the_instantiated_model(name):
+    config = model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelDims.from_config(config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_presets_match_their_published_sizes():
+    published = {"qwen3-1.7b": (1.7e9, 1.4e9), "qwen3-4b": (4.0e9, 3.6e9), "qwen3-8b": (8.2e9, 6.95e9),
+                 "qwen3-14b": (14.8e9, 13.2e9)}
+    for name, (total, non_embedding) in published.items():
+        dims = model_dims(name)
+        embeddings = dims.vocab * dims.hidden * (1 if dims.tied_embeddings else 2)
+        assert dims.params == pytest.approx(total, rel=0.02)
+        assert dims.params - embeddings == pytest.approx(non_embedding, rel=0.02)
+    assert model_dims("qwen3-8b").step_params == model_dims("qwen3-8b").params - 151936 * 4096
+
+
+def test_missing_config_field_is_named():
+    config = types.SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                                   vocab_size=10)
+    with pytest.raises(SparrowError, match="intermediate_size"):
+        ModelDims.from_config(config)
+
+
+def test_head_dim_defaults_to_hidden_over_heads():
+    config = types.SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=10, head_dim=None)
+    assert ModelDims.from_config(config).head_dim == 16
+
+
+def test_hardware_presets_and_overrides():
+    assert HARDWARE["h200"].intensity == pytest.approx(989e12 / 4.8e12)
+    assert hardware("H100").bandwidth == 3.35e12
+    assert hardware("b200").peak_flops == 2.25e15
+    assert hardware("a100", bandwidth=1.935e12) == Hardware("a100", 312e12, 1.935e12)
+    assert hardware("cpu", 1e12, 1e11).intensity == pytest.approx(10.0)
+    with pytest.raises(SparrowError, match="--peak-flops and --bandwidth"):
+        hardware("cpu")
+    with pytest.raises(SparrowError, match="--bandwidth"):
+        hardware("cpu", peak_flops=1e12)
+    with pytest.raises(SparrowError, match="unknown hardware 'tpu'"):
+        hardware("tpu")
+
+
+def test_step_cost_by_hand():
+    # batch 2, 100 cached tokens (7 pages of 16, the last with 4 tokens), budget 64 tokens = 4 pages.
+    # 2 dense layers attend 100 tokens; 2 sparse layers attend 4 pages minus the current page's 12 empty
+    # slots = 52 tokens and read the centroids of 100 // 16 = 6 full pages. Per KV head-set: 2 heads x 16 dims.
+    cost = step_cost(SMALL, TOY_HW, batch=2, cached=100, budget=64, page_size=16)
+    tokens_read = 2 * 100 + 2 * 52
+    assert cost.weight_bytes == 1000 * 2
+    assert cost.kv_bytes == 2 * 2 * 32 * 2 * (tokens_read + 4)  # K and V, 2 bytes, reads + the new token's write
+    assert cost.landmark_bytes == 2 * 32 * 2 * 2 * 6
+    assert cost.proj_flops == 2 * 1000 * 2
+    assert cost.attn_flops == 2 * 4 * 4 * 16 * tokens_read
+    assert cost.score_flops == 2 * (2 * 32) * 2 * 6  # group-mean query . centroid, one per KV head
+    assert (cost.flops, cost.bytes) == (161_184, 82_384)
+    assert cost.cost == 161_184 + 10 * 82_384
+    attention = cost.attn_flops + cost.score_flops + 10 * (cost.kv_bytes + cost.landmark_bytes)
+    assert cost.attention_share == pytest.approx(attention / cost.cost)
+
+    quest = step_cost(SMALL, TOY_HW, batch=2, cached=100, budget=64, page_size=16, landmark="quest")
+    assert quest.landmark_bytes == 2 * cost.landmark_bytes
+    assert quest.score_flops == 2 * (4 * 4 * 16) * 2 * 6  # min/max bounds per query head
+
+
+def test_a_covering_budget_costs_exactly_the_dense_step():
+    dense = step_cost(SMALL, TOY_HW, batch=3, cached=100, budget=None, page_size=16)
+    assert step_cost(SMALL, TOY_HW, batch=3, cached=100, budget=112, page_size=16) == dense
+    assert step_cost(SMALL, TOY_HW, batch=3, cached=100, budget=4096, page_size=16) == dense
+    assert step_cost(SMALL, TOY_HW, batch=3, cached=100, budget=96, page_size=16).cost < dense.cost
+    assert dense.landmark_bytes == dense.score_flops == 0
+
+
+def test_cost_rises_with_budget_and_with_page_count():
+    dims, hw = model_dims("qwen3-4b"), hardware("h200")
+    by_budget = [step_cost(dims, hw, 8, 20_000, b, 16).cost for b in (256, 512, 1024, 2048, 4096)]
+    assert by_budget == sorted(by_budget) and len(set(by_budget)) == 5
+    by_length = [step_cost(dims, hw, 8, n, 1024, 16) for n in (4_096, 8_192, 16_384, 32_768)]
+    assert [c.cost for c in by_length] == sorted(c.cost for c in by_length)
+    assert [c.landmark_bytes for c in by_length] == [by_length[0].landmark_bytes * k for k in (1, 2, 4, 8)]
+    dense_layer_growth = 8 * 2 * (8 * 128) * 2 * 2  # batch, K and V, 8 KV heads x 128, bytes, dense layers
+    assert by_length[1].kv_bytes - by_length[0].kv_bytes == dense_layer_growth * 4_096
+
+
+def test_budget_below_the_always_kept_pages_is_refused():
+    with pytest.raises(SparrowError, match="always-kept"):
+        step_cost(SMALL, TOY_HW, batch=1, cached=500, budget=32, page_size=16)
+
+
+def test_trajectory_is_the_sum_of_its_steps_and_the_prefill():
+    schedule = steps(64, [48, 64, 96])
+    prompt, gen, n = 37, 150, 3
+    total = trajectory_cost(SMALL, TOY_HW, schedule, prompt, gen, n)
+    parts = [prefill_cost(SMALL, TOY_HW, prompt)]
+    parts += [step_cost(SMALL, TOY_HW, n, prompt + i + 1, schedule.budget_at(prompt + i + 1), 16) for i in range(gen)]
+    for name in ("flops", "bytes", "weight_bytes", "kv_bytes", "landmark_bytes", "proj_flops", "attn_flops",
+                 "score_flops"):
+        assert getattr(total, name) == sum(getattr(p, name) for p in parts), name
+    assert total.cost == pytest.approx(sum(p.cost for p in parts), rel=1e-12)
+    assert total.prefill == parts[0]
+    assert (total.steps, total.samples) == (gen, n)
+
+
+def test_prefill_by_hand():
+    pre = prefill_cost(SMALL, TOY_HW, prompt_len=10)
+    assert pre.proj_flops == 2 * 1000 * 10
+    assert pre.attn_flops == 4 * 4 * 16 * 4 * (10 * 11 // 2)
+    assert pre.weight_bytes == 2000 and pre.kv_bytes == 2 * SMALL.kv_width * 10 * 2
+
+
+def test_compare_and_a_covering_schedule():
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    covering = compare(dims, hw, const(4096), 256, 3000, 8)
+    assert covering["predicted_speedup"] == 1.0
+    assert covering["dense_cost"] == covering["sparse_cost"]
+    result = compare(dims, hw, parse_schedule("qwen3-4b-0.86"), 256, 32_768, 8)
+    assert result["predicted_speedup"] == pytest.approx(result["dense_cost"] / result["sparse_cost"])
+    assert result["predicted_speedup"] > 2
+    assert 0 < result["sparse_attention_share"] < result["dense_attention_share"] < 1
+    with pytest.raises(SparrowError, match="nothing to compare"):
+        compare(dims, hw, DENSE, 256, 100, 8)
+
+
+def test_attention_share_of_dense_cost_falls_as_models_grow():
+    hw, shares = hardware("h200"), []
+    for name in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
+        shares.append(trajectory_cost(model_dims(name), hw, DENSE, 256, 32_768, 8).attention_share)
+    assert shares == sorted(shares, reverse=True)
+    assert shares[0] > 0.75 and shares[-1] < 0.5
+
+
+def test_at_equal_token_budget_larger_pages_cost_less():
+    # The paper's finding that page size 16 is best is about cost at equal *accuracy*: smaller pages select
+    # more precisely, so they reach a target acceptance rate with fewer tokens. At the same token budget,
+    # the only cost that depends on the page size is the landmark traffic (one landmark per page), which
+    # shrinks as pages grow; docs/cost-model.md works out how much larger a budget bigger pages may use.
+    dims, hw, schedule = model_dims("qwen3-4b"), hardware("h200"), parse_schedule("qwen3-4b-0.86")
+    costs = {ps: trajectory_cost(dims, hw, schedule, 256, 32_768, 8, page_size=ps) for ps in (16, 32, 64, 128)}
+    assert [costs[ps].cost for ps in (16, 32, 64, 128)] == sorted((c.cost for c in costs.values()), reverse=True)
+    decode_landmarks = {ps: c.decode.landmark_bytes for ps, c in costs.items()}
+    assert decode_landmarks[16] / decode_landmarks[32] == pytest.approx(2, rel=0.01)
+    kv = [costs[ps].kv_bytes for ps in (16, 32, 64, 128)]
+    assert kv == sorted(kv, reverse=True) and kv[-1] / kv[0] > 0.98  # the current page's empty slots
+    saving = 1 - costs[32].cost / costs[16].cost
+    assert 0.01 < saving < 0.05
+
+
+def test_paper_formulas_by_hand():
+    dims = ModelDims(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, params=1000,
+                     tied_embeddings=True)
+    result = paper_cost(dims, TOY_HW, budget=32, prompt_len=10, gen_len=20, samples=3, page_size=16)
+    # P 1000, N 3, D 8, r 2, I 10, B 32, L_in 10, L_out 20, ps 16
+    dense = 2 * 1000 * 3 * 20 + 2 * (2 * 10 + 20) * 20 * 3 * 8 + 10 * (2 * 10 * 20 * 8 + 3 * 20 ** 2 * 8)
+    without_scoring = 2 * 3 * 1000 * 20 + 2 * 2 * 3 * 8 * 32 * 20 + 2 * 10 * 3 * 8 * 32 * 20
+    scoring = 2 * 3 * 10 * 8 * 20 + 2 * 3 * 8 * 400 / 32 + 2 * 10 * 10 * 8 * 20 + 10 * 3 * 8 * 400 / 32
+    assert (dense, without_scoring, scoring) == (286_400, 488_640, 45_200)
+    assert result == {"dense": 286_400, "sparse": 533_840, "speedup": 286_400 / 533_840}
+
+
+def _run(argv, capsys):
+    code = main(["cost", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json(capsys):
+    code, out, _ = _run(["--model", "qwen3-4b", "--schedule", "qwen3-4b-0.86", "--prompt-len", "256",
+                         "--gen-len", "32768", "--samples", "8", "--page-sizes", "16,32,64,128", "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert {"dense_cost", "sparse_cost", "predicted_speedup", "dense_attention_share", "sparse_attention_share",
+            "page_sizes", "paper"} <= set(report)
+    assert report["predicted_speedup"] == pytest.approx(report["dense_cost"] / report["sparse_cost"])
+    assert [r["page_size"] for r in report["page_sizes"]] == [16, 32, 64, 128]
+    assert report["page_sizes"][0]["sparse_cost"] == report["sparse_cost"]
+    assert report["paper"]["budget"] == 6144 and report["paper"]["speedup"] > 1
+    assert report["hardware"]["name"] == "h200"
+
+
+def test_cli_table_and_skipped_page_sizes(capsys):
+    code, out, _ = _run(["--model", "tiny-qwen3", "--schedule", "const:80", "--gen-len", "500",
+                         "--page-sizes", "16,32"], capsys)
+    assert code == 0
+    assert "predicted speedup" in out and "paper formula" in out
+    assert "skipped" in out and "multiple of the page size 32" in out
+
+
+def test_cli_reads_a_local_config_directory(tmp_path, capsys):
+    LlamaConfig(**SMOLLM2_135M).save_pretrained(tmp_path)
+    code, out, _ = _run(["--model", str(tmp_path), "--schedule", "const:1024", "--gen-len", "4000", "--hardware",
+                         "cpu", "--peak-flops", "1e12", "--bandwidth", "5e10", "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["params"] == 134_515_008 and report["hardware"]["intensity"] == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "smollm2-135m", "--schedule", "const:512", "--hardware", "cpu"], "--peak-flops and --bandwidth"),
+    (["--model", "nope", "--schedule", "const:512"], "unknown model 'nope'"),
+    (["--model", "smollm2-135m", "--schedule", "dense"], "nothing to compare"),
+    (["--model", "smollm2-135m"], "give --schedule"),
+    (["--model", "smollm2-135m", "--schedule", "const:512", "--dense-layers", "0,40"], "out of range"),
+])
+def test_cli_errors(argv, message, capsys):
+    code, _, err = _run(argv, capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_step_cost_is_a_frozen_record():
+    cost = step_cost(SMALL, TOY_HW, 1, 10, None, 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cost.flops = 0

@@ -1,0 +1,82 @@
+"""Profiling on a tiny model: exact acceptance in lockstep with dense, files written, resume, calibration."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparrow.cli import main
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.schedules import DENSE, const
+from tests.conftest import random_prompts
+
+
+def test_lockstep_acceptance_is_one_for_dense_and_below_one_for_an_aggressive_budget(llama):
+    engine = RolloutEngine(*llama)
+    prompts = random_prompts([150, 90], seed=8)
+    sampling = SamplingParams(max_new_tokens=20, seed=0, ignore_eos=True)
+    dense = engine.generate(prompts, sampling, DENSE, num_samples=2, reference=DENSE)
+    assert all(np.allclose(c.acceptance, 1.0, atol=1e-6) for c in dense)
+    sparse = engine.generate(prompts, sampling, const(48), num_samples=2, reference=DENSE)
+    for c in sparse:
+        assert len(c.acceptance) == len(c.token_ids)
+        assert abs(c.acceptance[0] - 1.0) < 1e-6  # the first token comes from the dense prefill
+        assert min(c.acceptance) < 0.999 and all(0.0 <= a <= 1.0 + 1e-6 for a in c.acceptance)
+    # acceptance does not change what is sampled
+    plain = engine.generate(prompts, sampling, const(48), num_samples=2)
+    assert [c.token_ids for c in plain] == [c.token_ids for c in sparse]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x" * n}) + "\n" for n in (120, 170, 200)))
+    return path
+
+
+def _profile(prompts_file, out, schedules, capsys):
+    code = main(["profile", "--model", "tiny-llama", "--prompts", str(prompts_file), "--schedules", schedules,
+                 "--samples-per-prompt", "2", "--max-new-tokens", "24", "--bin-size", "64", "--out", str(out)])
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def test_profile_writes_stats_csv_plots_and_resumes(prompts_file, tmp_path, capsys):
+    out = tmp_path / "prof"
+    _profile(prompts_file, out, "const:48,dense", capsys)
+    profile = json.loads((out / "profile.json").read_text())
+    assert list(profile["schedules"]) == ["const:48", "dense"]
+    dense = profile["schedules"]["dense"]
+    assert 3 * 2 <= dense["tokens"] <= 3 * 2 * 24 and dense["overall"]["p5"] > 0.999999
+    sparse = profile["schedules"]["const:48"]
+    assert sparse["overall"]["mean"] < 1.0 and sum(b["count"] for b in sparse["bins"]) == sparse["tokens"]
+    assert all(b["start"] % 64 == 0 for b in sparse["bins"])
+    assert (out / "profile.csv").read_text().startswith("schedule,bin,start,end,count")
+    assert (out / "p5_vs_length.png").stat().st_size > 1000 and (out / "alpha_hist.png").exists()
+    before = (out / "tokens-const_48.npz").stat().st_mtime_ns
+    printed = _profile(prompts_file, out, "const:48,const:96,dense", capsys)
+    assert (out / "tokens-const_48.npz").stat().st_mtime_ns == before
+    assert "const:96" in json.loads((out / "profile.json").read_text())["schedules"]
+    assert "const:96" in printed
+
+
+def test_profile_refuses_a_directory_made_with_other_settings(prompts_file, tmp_path, capsys):
+    out = tmp_path / "prof"
+    _profile(prompts_file, out, "dense", capsys)
+    code = main(["profile", "--model", "tiny-llama", "--prompts", str(prompts_file), "--schedules", "dense",
+                 "--max-new-tokens", "24", "--samples-per-prompt", "2", "--seed", "9", "--out", str(out)])
+    assert code == 2 and "sampling" in capsys.readouterr().err
+
+
+def test_calibrate_command_writes_a_schedule_the_engine_accepts(prompts_file, tmp_path, capsys):
+    out = tmp_path / "prof"
+    _profile(prompts_file, out, "const:48,const:96,dense", capsys)
+    schedule_path = tmp_path / "calibrated.json"
+    code = main(["calibrate", "--profile", str(out / "profile.json"), "--tau", "0.5", "--min-tokens", "1",
+                 "--out", str(schedule_path)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "predicted speedup" in printed
+    assert main(["schedule", "show", str(schedule_path), "--json"]) == 0
+    bins = json.loads(capsys.readouterr().out)
+    assert bins[0]["start"] == 0 and all(b["kv_budget"] % 16 == 0 for b in bins)
