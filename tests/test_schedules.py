@@ -10,8 +10,16 @@ import torch
 
 from sparrow import schedules
 from sparrow.errors import SparrowError
-from sparrow.schedules import (DENSE, PRESETS, Schedule, const, parse_schedule, preset_names, steps,
-                               write_schedule_json)
+from sparrow.schedules import (
+    DENSE,
+    PRESETS,
+    Schedule,
+    const,
+    parse_schedule,
+    preset_names,
+    steps,
+    write_schedule_json,
+)
 
 # KV budgets in tokens per 2000-token bin, written out independently of the loader (16 * (topk + 3)).
 EXPECTED = {

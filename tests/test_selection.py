@@ -2,7 +2,13 @@
 
 import torch
 
-from sparrow.attention import KVCache, SparseConfig, centroid_scores, quest_scores, select_pages
+from sparrow.attention import (
+    KVCache,
+    SparseConfig,
+    centroid_scores,
+    quest_scores,
+    select_pages,
+)
 
 
 def _chosen(pages, valid):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from transformers.utils import logging as hf_logging
+
 from sparrow.errors import SparrowError
 
 from . import bench, calibrate, cost, generate, profile, prompts, schedule
@@ -23,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
     try:
         return args.run(args) or 0
     except SparrowError as err:

@@ -6,7 +6,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.cost_model import ALWAYS_KEPT_PAGES, ModelDims, compare, hardware, paper_cost
+from sparrow.cost_model import (
+    ALWAYS_KEPT_PAGES,
+    ModelDims,
+    compare,
+    hardware,
+    paper_cost,
+)
 from sparrow.errors import SparrowError
 from sparrow.schedules import Schedule, parse_schedule
 

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from sparrow.attention import AttentionContext, KVCache, SparseConfig, enable_sparse_attention
+from sparrow.attention import (
+    AttentionContext,
+    KVCache,
+    SparseConfig,
+    enable_sparse_attention,
+)
 from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
 from sparrow.metrics import acceptance_rate
@@ -136,7 +141,8 @@ class RolloutEngine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         per_wave = max(1, self.max_batch_size // num_samples)
         results: list[Completion] = []
-        bar = tqdm(total=len(prompts) * num_samples, desc="generating", unit="seq", disable=not progress)
+        bar = tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
+                   disable=not progress)
         for start in range(0, len(prompts), per_wave):
             wave = list(range(start, min(start + per_wave, len(prompts))))
             results += self._generate_wave(wave, encoded, sampling, schedule, num_samples, generator, bar, reference)
@@ -165,7 +171,7 @@ class RolloutEngine:
                     seq.acceptance.append(alpha)
             self._record(live, step, budget, sampling)
             keep = [r for r, seq in enumerate(live) if not seq.finished]
-            bar.update(len(live) - len(keep))
+            bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
             if not keep:
                 break
             if len(keep) < len(live):
