@@ -1,0 +1,232 @@
+"""GRPO loss pieces as pure tensor functions (SPEC section 7), in the style of verl's core_algos.
+
+    L = - E_t [ min(pi_old / pi_rollout, C) * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) ],
+    r_t = pi_theta / pi_old
+
+`pi_rollout` is the sparse actor that sampled the tokens, `pi_old` the dense policy's recomputed log-prob of the
+same tokens. Every choice a config makes (advantage estimator, TIS mode, loss aggregation, KL estimator) is looked
+up by name in a registry dict, so a config can be validated against `tuple(REGISTRY)` before a run starts.
+Log-probs are per token, shape [B, T]; `mask` marks valid (response) tokens with 1/True.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from sparrow.errors import SparrowError
+
+ADVANTAGE_SCALES = ("std", "none")
+_MAX_LOG_RATIO = 20.0
+
+
+def _check_name(name: str, known, what: str) -> None:
+    if name not in known:
+        raise SparrowError(f"unknown {what} {name!r}: expected one of {', '.join(map(repr, known))}")
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise SparrowError(f"shape mismatch: {listed}; expected all the same shape")
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision inputs are promoted to float32 (exp of log-ratios is too coarse in bf16)."""
+    return t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _check_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as a bool tensor; it must hold only 0/1 (or be bool) and mark at least one token."""
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise SparrowError(f"mask holds {mask[bad].flatten()[0].item()!r}: expected only 0/1 or a bool tensor")
+        mask = mask != 0
+    if not bool(mask.any()):
+        raise SparrowError(f"mask of shape {tuple(mask.shape)} marks no valid token: expected at least one")
+    return mask
+
+
+def _check_cap(cap: float) -> None:
+    if not cap > 0:
+        raise SparrowError(f"TIS cap {cap!r} is invalid: expected a value > 0")
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "std") -> torch.Tensor:
+    """Group-normalized advantages for rewards [num_groups, group_size] (one group = the n rollouts of a prompt).
+
+    scale "std": (r - group mean) / (group std + eps), with the population std (unbiased=False);
+    scale "none": r - group mean only (Dr.GRPO, which drops the std to avoid favouring low-variance prompts).
+    Groups whose rewards are all equal carry no signal and get advantage exactly 0.
+    """
+    _check_name(scale, ADVANTAGE_SCALES, "advantage scale")
+    if rewards.dim() != 2:
+        raise SparrowError(f"rewards have shape {tuple(rewards.shape)}: expected [num_groups, group_size]")
+    if not eps >= 0:
+        raise SparrowError(f"eps {eps!r} is invalid: expected a value >= 0")
+    rewards = _as_float(rewards)
+    if not bool(torch.isfinite(rewards).all()):
+        raise SparrowError("rewards contain NaN or inf: expected finite rewards")
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "std":
+        centered = centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    constant = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(centered), centered)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "dr_grpo": partial(grpo_advantages, scale="none"),
+}
+
+
+def _tis_truncate(ratio: torch.Tensor, cap: float) -> torch.Tensor:
+    return ratio.clamp(max=cap)
+
+
+def _tis_mask(ratio: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+
+
+def _tis_off(ratio: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.ones_like(ratio)
+
+
+TIS_MODES = {"truncate": _tis_truncate, "mask": _tis_mask, "off": _tis_off}
+
+
+def _tis_ratio(logp_old: torch.Tensor, logp_rollout: torch.Tensor) -> torch.Tensor:
+    _check_same_shape(logp_old=logp_old, logp_rollout=logp_rollout)
+    return torch.exp(_as_float(logp_old).detach() - _as_float(logp_rollout).detach())
+
+
+def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mode: str = "truncate",
+                cap: float = 2.0) -> torch.Tensor:
+    """Detached per-token weight for the rollout/trainer mismatch, from ratio = pi_old / pi_rollout.
+
+    "truncate": min(ratio, cap), no lower bound (SPEC 7); "mask": ratio where ratio <= cap else 0, dropping
+    tokens the sparse actor badly under-sampled; "off": ones.
+    """
+    _check_name(mode, TIS_MODES, "TIS mode")
+    _check_cap(cap)
+    return TIS_MODES[mode](_tis_ratio(logp_old, logp_rollout), cap)
+
+
+def tis_stats(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+              cap: float = 2.0) -> dict[str, float]:
+    """min / mean / max of ratio = pi_old / pi_rollout over valid tokens and the fraction above cap, for logging."""
+    _check_cap(cap)
+    ratio = _tis_ratio(logp_old, logp_rollout)
+    _check_same_shape(logp_old=logp_old, mask=mask)
+    valid = ratio[_check_mask(mask)]
+    return {"ratio_min": valid.min().item(), "ratio_mean": valid.mean().item(), "ratio_max": valid.max().item(),
+            "frac_above_cap": int((valid > cap).sum()) / valid.numel()}
+
+
+def _agg_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return loss.masked_fill(~mask, 0.0).sum() / mask.sum()
+
+
+def _agg_seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    counts = mask.sum(dim=1)
+    rows = counts > 0
+    return (loss.masked_fill(~mask, 0.0).sum(dim=1)[rows] / counts[rows]).mean()
+
+
+def _agg_seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    rows = mask.sum(dim=1) > 0
+    return loss.masked_fill(~mask, 0.0).sum(dim=1)[rows].mean()
+
+
+LOSS_AGGREGATIONS = {
+    "token-mean": _agg_token_mean,
+    "seq-mean-token-mean": _agg_seq_mean_token_mean,
+    "seq-mean-token-sum": _agg_seq_mean_token_sum,
+}
+
+
+def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  weights: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
+                  dual_clip: float | None = 3.0, aggregation: str = "token-mean") -> tuple[torch.Tensor, dict]:
+    """Asymmetric PPO-clip policy loss with dual clip and TIS weights; returns (scalar loss, metrics of floats).
+
+    Per token, r = exp(logp - logp_old) and surrogate = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); for
+    A < 0 the dual clip bounds it below by dual_clip * A (loss at most -dual_clip * A) so a token with a huge
+    ratio cannot dominate. Loss per token = -weights * surrogate. `advantages` is [B] (per sequence) or [B, T].
+    Aggregations: "token-mean" over all valid tokens of the batch; "seq-mean-token-mean" / "seq-mean-token-sum"
+    average per-sequence token means / sums over the sequences that have at least one valid token.
+    Metrics (over valid tokens): clip_frac = clip_frac_low (A < 0, r < 1 - clip_low) + clip_frac_high (A > 0,
+    r > 1 + clip_high), dual_clip_frac, ratio_mean, approx_kl = mean 0.5 * (logp - logp_old)^2.
+    Values at masked positions are ignored (padding may hold anything); the log-ratio is clamped to +-20 as in verl.
+    """
+    _check_name(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
+    for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
+        if not value >= 0:
+            raise SparrowError(f"{name} {value!r} is invalid: expected a value >= 0")
+    if dual_clip is not None and not dual_clip > 1:
+        raise SparrowError(f"dual_clip {dual_clip!r} is invalid: expected a value > 1 or None")
+    if logp.dim() != 2:
+        raise SparrowError(f"logp has shape {tuple(logp.shape)}: expected [batch, tokens]")
+    _check_same_shape(logp=logp, logp_old=logp_old, mask=mask)
+    if weights is not None:
+        _check_same_shape(logp=logp, weights=weights)
+    if advantages.shape == logp.shape[:1]:
+        advantages = advantages.unsqueeze(1)
+    elif advantages.shape != logp.shape:
+        raise SparrowError(f"advantages have shape {tuple(advantages.shape)}: expected [{logp.shape[0]}] "
+                           f"(per sequence) or {list(logp.shape)} (per token)")
+    valid = _check_mask(mask)
+
+    log_ratio = torch.where(valid, _as_float(logp) - _as_float(logp_old).detach(), 0.0)
+    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(valid, _as_float(advantages).detach(), 0.0)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    dual = torch.zeros_like(valid)
+    if dual_clip is not None:
+        dual = (adv < 0) & (surrogate < dual_clip * adv)
+        surrogate = torch.where(dual, dual_clip * adv, surrogate)
+    if weights is not None:
+        surrogate = torch.where(valid, _as_float(weights).detach(), 0.0) * surrogate
+    total = LOSS_AGGREGATIONS[aggregation](-surrogate, valid)
+
+    with torch.no_grad():
+        r = ratio[valid]
+        a = adv[valid]
+        n = r.numel()
+        low = int(((a < 0) & (r < 1 - clip_low)).sum()) / n
+        high = int(((a > 0) & (r > 1 + clip_high)).sum()) / n
+        metrics = {"clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
+                   "dual_clip_frac": int(dual[valid].sum()) / n, "ratio_mean": r.mean().item(),
+                   "approx_kl": (0.5 * log_ratio[valid] ** 2).mean().item()}
+    return total, metrics
+
+
+def _kl_k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    return logp - logp_ref
+
+
+def _kl_k2(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - logp_ref) ** 2
+
+
+def _kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    x = logp_ref - logp
+    return (torch.expm1(x) - x).clamp(min=0.0)
+
+
+KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from sampled-token log-probs, for a KL-to-reference term.
+
+    k1 = logp - logp_ref (unbiased, can be negative); k2 = 0.5 (logp - logp_ref)^2;
+    k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (unbiased and non-negative; computed with expm1).
+    """
+    _check_name(kind, KL_ESTIMATORS, "KL estimator")
+    _check_same_shape(logp=logp, logp_ref=logp_ref)
+    return KL_ESTIMATORS[kind](_as_float(logp), _as_float(logp_ref).detach())
