@@ -1,0 +1,235 @@
+"""Reward functions: math-verify scoring, code runs and their containment, custom loading, weighted scoring."""
+
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from sparrow.errors import SparrowError
+from sparrow.rewards import (
+    REWARDS,
+    RewardError,
+    code_reward,
+    extract_program,
+    last_boxed,
+    load_reward,
+    math_reward,
+    run_code,
+    score,
+)
+from sparrow.rewards.math import math_score
+
+# --- math -------------------------------------------------------------------------------------------------------
+
+
+def test_math_reward_plain_number_and_latex_fraction():
+    rewards = math_reward(
+        ["p"] * 4,
+        ["so \\boxed{42}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{41}"],
+        answer=["42", "0.5", "\\frac{1}{2}", "42"],
+    )
+    assert rewards == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_reward_numeric_gold_and_nested_braces():
+    assert last_boxed("x \\boxed{\\frac{\\sqrt{2}}{2}} y") == "\\frac{\\sqrt{2}}{2}"
+    assert last_boxed("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
+    assert math_score("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}") == 1.0
+    assert math_score("\\boxed{\\{2, 1\\}}", "\\{1,2\\}") == 1.0
+    assert math_score("\\boxed{42}", 42) == 1.0
+
+
+def test_math_reward_no_boxed_and_last_boxed_wins():
+    assert math_reward(None, ["the answer is 42", "\\boxed{42"], answer=["42", "42"]) == [0.0, 0.0]
+    assert math_score("first \\boxed{41}, no wait: \\boxed{42}", "42") == 1.0
+    assert math_score("first \\boxed{42}, no wait: \\boxed{41}", "42") == 0.0
+
+
+def test_math_reward_off_main_thread_and_bad_inputs():
+    out = []
+    worker = threading.Thread(target=lambda: out.append(math_reward(None, ["\\boxed{\\frac{1}{2}}"], answer=["0.5"])))
+    worker.start()
+    worker.join()
+    assert out == [[1.0]]
+    with pytest.raises(SparrowError, match="2 answers"):
+        math_reward(None, ["\\boxed{1}"], answer=["1", "2"])
+    with pytest.raises(SparrowError, match="ground-truth answer None"):
+        math_score("\\boxed{1}", None)
+
+
+# --- code: scoring ----------------------------------------------------------------------------------------------
+
+DOUBLER = "Here you go:\n```python\nprint(int(input()) * 2)\n```\n"
+
+
+def test_code_reward_stdin_stdout_fraction():
+    tests = [{"input": "2\n", "output": "4"}, {"input": "3", "output": " 6\n"}, {"input": "5", "output": "11"}]
+    assert code_reward(["p"], [DOUBLER], tests=[tests]) == pytest.approx([2 / 3])
+    result = run_code(extract_program(DOUBLER), tests, timeout=5.0)
+    assert (result.passed, result.total, result.status) == (2, 3, "ok")
+
+
+def test_code_reward_assert_style_and_last_block():
+    completion = "```python\ndef f(x):\n    return x\n```\nbetter:\n```python\ndef f(x):\n    return x + 1\n```"
+    assert extract_program(completion).strip() == "def f(x):\n    return x + 1"
+    rewards = code_reward(["p", "p"], [completion, "def f(x): return x"], tests=["assert f(1) == 2"] * 2)
+    assert rewards == [1.0, 0.0]
+
+
+def test_code_reward_rejects_malformed_tests():
+    with pytest.raises(SparrowError, match="test case 0"):
+        run_code("print(1)", [{"stdin": "", "output": "1"}])
+    with pytest.raises(SparrowError, match="non-empty list"):
+        run_code("print(1)", [])
+
+
+# --- code: containment ------------------------------------------------------------------------------------------
+
+
+def test_infinite_loop_is_killed_on_timeout():
+    run_code("pass", "assert True", timeout=1.0)
+    start = time.monotonic()
+    result = run_code("while True:\n    pass", [{"input": "", "output": ""}], timeout=1.0)
+    assert time.monotonic() - start < 2.0
+    assert (result.status, result.passed) == ("timeout", 0)
+
+
+def test_huge_allocation_is_refused_fast():
+    start = time.monotonic()
+    result = run_code("x = bytearray(2 * 1024 ** 3)\nprint(len(x))", "assert True", timeout=5.0, memory_mb=256)
+    assert time.monotonic() - start < 4.0
+    assert result.status != "ok" and result.reward == 0.0
+    assert result.status == "memory" and "MemoryError" in result.stderr_tail
+
+
+def test_ten_megabytes_of_output_are_contained():
+    tracemalloc.start()
+    try:
+        result = run_code("import sys\nfor _ in range(10):\n    sys.stdout.write('x' * 2 ** 20)\n", "assert True")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.status == "output_limit" and result.reward == 0.0
+    assert peak < 3 * 2**20
+    assert len(result.stderr_tail) <= 2000
+
+
+def test_writes_stay_inside_the_deleted_run_directory(tmp_path):
+    (tmp_path / "marker").write_text("")
+    program = (
+        "import os, tempfile\n"
+        "open('../escape.txt', 'w').write('up one')\n"
+        "open('here.txt', 'w').write('cwd')\n"
+        "open(os.path.expanduser('~/home.txt'), 'w').write('home')\n"
+        "tempfile.NamedTemporaryFile(delete=False).write(b'tmp')\n"
+        f"assert os.path.realpath('../escape.txt').startswith({str(tmp_path)!r} + '/sparrow-code-')\n"
+        "assert os.getcwd() == os.environ['HOME'] == os.environ['TMPDIR'] == tempfile.gettempdir()\n"
+    )
+    result = run_code(program, "assert True", base_dir=str(tmp_path))
+    assert result.status == "ok", result.stderr_tail
+    # The property: the program's writes (cwd, ~, tempfile, even ../) land in the per-run directory, which is then
+    # deleted, so nothing new appears in the folder we control. Honest limit: '../../escape.txt' or an absolute path
+    # reaches tmp_path or anywhere else this user can write; this is process isolation, not a sandbox.
+    assert [p.name for p in tmp_path.iterdir()] == ["marker"]
+
+
+def test_environment_is_stripped(monkeypatch):
+    monkeypatch.setenv("SPARROW_TEST_SECRET", "hunter2")
+    program = "import os\nassert 'SPARROW_TEST_SECRET' not in os.environ, sorted(os.environ)\n"
+    assert run_code(program, "assert True").status == "ok"
+
+
+def test_leftover_subprocesses_are_killed(tmp_path):
+    pid_file = tmp_path / "pid"
+    program = f"import subprocess\nopen({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '30']).pid))\n"
+    assert run_code(program, "assert True").status == "ok"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 2.0
+    state = "alive"
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            break
+        time.sleep(0.05)
+    assert state in ("gone", "Z", "X")
+
+
+def test_crashing_program():
+    result = run_code("raise SystemExit(3)", [{"input": "", "output": ""}])
+    assert (result.status, result.passed) == ("crash", 0)
+    result = run_code("print(1/0)", "assert True")
+    assert result.status == "crash" and "ZeroDivisionError" in result.stderr_tail
+
+
+# --- custom loading ---------------------------------------------------------------------------------------------
+
+
+def test_load_reward_builtins_module_and_file(tmp_path):
+    assert load_reward("math") is math_reward and load_reward("code") is REWARDS["code"]
+    assert load_reward("sparrow.rewards.math:math_reward") is math_reward
+    path = tmp_path / "my_reward.py"
+    path.write_text("def length(prompts, completions, **_):\n    return [float(len(c)) for c in completions]\nX = 3\n")
+    fn = load_reward(f"{path}:length")
+    assert fn(["p"], ["abc"]) == [3.0]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nonsense", "not a built-in"),
+        ("no_such_module_xyz:f", "not found"),
+        ("/no/such/file.py:f", "does not exist"),
+        ("sparrow.rewards.math:no_such_fn", "no attribute 'no_such_fn'"),
+        ("{file}:missing", "no attribute 'missing'"),
+        ("{file}:X", "not callable"),
+    ],
+)
+def test_load_reward_errors(tmp_path, spec, message):
+    path = tmp_path / "rewards_x.py"
+    path.write_text("X = 3\n")
+    with pytest.raises(SparrowError, match=message):
+        load_reward(spec.format(file=path))
+
+
+# --- score ------------------------------------------------------------------------------------------------------
+
+
+def _const(value):
+    return lambda prompts, completions, **_: [value] * len(completions)
+
+
+def test_score_weights_and_per_function_values():
+    result = score(
+        [("math", math_reward, 1.0), ("bonus", _const(1), 0.5)],
+        ["p1", "p2"],
+        ["\\boxed{42}", "\\boxed{7}"],
+        {"answer": ["42", "8"]},
+    )
+    assert result.totals == [1.5, 0.5]
+    assert result.per_function == {"math": [1.0, 0.0], "bonus": [1.0, 1.0]}
+
+
+def test_score_checks_lengths_and_values():
+    with pytest.raises(SparrowError, match="'short' returned 1 values for 2"):
+        score([("short", lambda p, c, **_: [0.0], 1.0)], ["a", "b"], ["x", "y"], {})
+    with pytest.raises(SparrowError, match="'nan' returned nan"):
+        score([("nan", _const(float("nan")), 1.0)], ["a"], ["x"], {})
+    with pytest.raises(SparrowError, match="column 'answer' has 1 values"):
+        score([("c", _const(0.0), 1.0)], ["a", "b"], ["x", "y"], {"answer": ["1"]})
+
+
+def test_score_raising_reward_names_function_and_sample():
+    def picky(prompts, completions, **_):
+        return [1.0 / (c != "bad completion here") for c in completions]
+
+    with pytest.raises(RewardError) as info:
+        score([("picky", picky, 1.0)], ["p"] * 3, ["fine", "ok", "bad completion here"], {})
+    error = info.value
+    assert (error.function, error.index) == ("picky", 2)
+    text = str(error)
+    assert "'picky'" in text and "sample 2" in text and "bad completion here" in text and "division by zero" in text
