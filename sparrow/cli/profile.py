@@ -44,6 +44,7 @@ class ProfileConfig(ModelOptions):
     bin_size: int = 256
     length_origin: str = "total"
     chat: bool = False
+    ignore_eos: bool = False
     max_batch_size: int = 16
     out: str = "runs/profile"
 
@@ -72,7 +73,7 @@ class ProfileConfig(ModelOptions):
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, num_logprobs=1)
+                              seed=self.seed, num_logprobs=1, ignore_eos=self.ignore_eos)
 
 
 HELP = {
@@ -83,6 +84,8 @@ HELP = {
     "bin_size": "tokens per length bin",
     "length_origin": "bin by 'total' cached length (prompt + generated, as schedules do) or 'generated' position",
     "chat": "apply the chat template to text prompts",
+    "ignore_eos": "keep sampling past end-of-sequence so every completion has max_new_tokens tokens (more tokens "
+                  "per bin from short-answering models; the tokens after EOS are off the task's distribution)",
     "out": "output directory (profile.json, profile.csv, plots, raw per-token values)",
 }
 
@@ -97,7 +100,7 @@ def run(args) -> int:
         "model": config.model, "prompts_file": config.prompts, "prompts_hash": prompts_hash(prompts),
         "num_prompts": len(prompts), "samples_per_prompt": config.samples_per_prompt, "chat": config.chat,
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
-                     "max_new_tokens": config.max_new_tokens},
+                     "max_new_tokens": config.max_new_tokens, "ignore_eos": config.ignore_eos},
         "sparse": dataclasses.asdict(sparse), "dtype": config.dtype,
         "prompt_tokens_mean": sum(len(engine.encode(p, config.chat)) for p in prompts) / len(prompts),
     }
