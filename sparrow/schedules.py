@@ -13,7 +13,6 @@ import json
 import operator
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from sparrow.errors import SparrowError
+from sparrow.io import atomic_write_json
 
 PRESET_PAGE_SIZE = 16
 _INT = re.compile(r"[+-]?\d+")
@@ -242,19 +242,4 @@ def _as_int(value, what: str) -> int:
 def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: int = 16) -> Path:
     """Atomically write `{"name", "page_size", "bins"}` so a reader never sees a half-written file."""
     schedule.validate(page_size, 0)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"name": schedule.name, "page_size": page_size, "bins": schedule.to_json()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write_json(path, {"name": schedule.name, "page_size": page_size, "bins": schedule.to_json()})
