@@ -1,0 +1,75 @@
+"""Rollouts as padded tensors, and the dense policy's view of them (the trainer's recompute step).
+
+`RolloutBatch.from_completions` packs engine completions (prompt + generated tokens, right-padded) with the
+per-token records the update needs: the rollout (sparse) log-probs, the rollout's top-K log-probs and the KV
+budget in force. `token_logprobs` runs a model over the batch and returns the log-probs of the sampled tokens,
+reading the full-vocabulary logits a chunk of positions at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.engine import Completion
+from sparrow.errors import SparrowError
+
+
+@dataclass
+class RolloutBatch:
+    """B sequences of prompt + completion, right-padded to T; completion tensors are [B, T - 1], aligned with the
+    logits that predict each token (position t predicts token t + 1), zero where `mask` is 0."""
+
+    input_ids: torch.Tensor  # [B, T]
+    prompt_lengths: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T-1] float: 1 where the predicted token is a generated one
+    rollout_logprobs: torch.Tensor  # [B, T-1]
+    top_ids: torch.Tensor  # [B, T-1, K]
+    top_logprobs: torch.Tensor  # [B, T-1, K]
+    kv_budget: torch.Tensor  # [B, T-1]
+    positions: torch.Tensor  # [B, T-1] cached length when each generated token was produced
+
+    @classmethod
+    def from_completions(cls, completions: list[Completion], pad_id: int = 0) -> "RolloutBatch":
+        if not completions:
+            raise SparrowError("no completions to batch")
+        if any(not c.token_ids for c in completions):
+            raise SparrowError("a completion without tokens cannot be trained on")
+        width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in completions)
+        k = min(len(c.top_token_ids[0]) for c in completions)
+        b = len(completions)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        mask = torch.zeros(b, width - 1)
+        logp = torch.zeros(b, width - 1)
+        top_ids = torch.zeros(b, width - 1, k, dtype=torch.long)
+        top_lp = torch.full((b, width - 1, k), float("-inf"))
+        budget = torch.zeros(b, width - 1, dtype=torch.long)
+        positions = torch.zeros(b, width - 1, dtype=torch.long)
+        for row, c in enumerate(completions):
+            p, n = len(c.prompt_token_ids), len(c.token_ids)
+            ids[row, : p + n] = torch.tensor(c.prompt_token_ids + c.token_ids)
+            span = slice(p - 1, p - 1 + n)
+            mask[row, span] = 1.0
+            logp[row, span] = torch.tensor(c.logprobs)
+            top_ids[row, span] = torch.tensor([t[:k] for t in c.top_token_ids])
+            top_lp[row, span] = torch.tensor([t[:k] for t in c.top_logprobs])
+            budget[row, span] = torch.tensor(c.kv_budget)
+            positions[row, span] = p + torch.arange(n)
+        lengths = torch.tensor([len(c.prompt_token_ids) for c in completions])
+        return cls(ids, lengths, mask, logp, top_ids, top_lp, budget, positions)
+
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                   chunk: int = 1024) -> torch.Tensor:
+    """log softmax(logits / T) of the next tokens: logits [B, T, V] -> [B, T-1], in float32, chunked over T."""
+    targets = input_ids[:, 1:]
+    out = []
+    for start in range(0, targets.shape[1], chunk):
+        stop = min(start + chunk, targets.shape[1])
+        lp = torch.log_softmax(logits[:, start:stop].float() / temperature, dim=-1)
+        out.append(lp.gather(-1, targets[:, start:stop, None]).squeeze(-1))
+    return torch.cat(out, dim=1)
