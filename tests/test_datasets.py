@@ -6,7 +6,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparrow.datasets import DataSpec, Example, PromptSampler, load_examples, split_examples
+from sparrow.datasets import (
+    DataSpec,
+    Example,
+    PromptSampler,
+    load_examples,
+    split_examples,
+)
 from sparrow.errors import SparrowError
 
 

@@ -60,9 +60,12 @@ def run(args) -> int:
     page_size = meta.get("sparse", {}).get("page_size", 16)
     schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size)
     print(f"calibrated for tau = {config.tau} (margin {config.margin}), bins of {meta.get('bin_size')} tokens:")
-    print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'budget':>7}  from")
+    print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'cheapest':>9} {'schedule':>9}  measured with")
     for c in choices:
-        print(f"{f'[{c.start}, {c.end})':>22} {c.tokens:>7} {c.p5:>7.4f} {c.budget:>7}  {c.source}")
+        print(f"{f'[{c.start}, {c.end})':>22} {c.tokens:>7} {c.p5:>7.4f} {c.budget:>9} "
+              f"{schedule.budget_at(c.start):>9}  {c.source}")
+    print("(cheapest: the smallest budget reaching tau + margin in the bin; schedule: after making budgets "
+          "non-decreasing in length)")
     print("schedule: " + ", ".join(f"{s}:{b}" for s, b in zip(schedule.starts, schedule.budgets)))
     write_schedule_json(schedule, config.out, page_size)
     print(f"wrote {config.out}")
