@@ -1,0 +1,131 @@
+"""One GRPO step on sparse rollouts: generate, score, normalize, recompute dense, TIS-weighted PPO update.
+
+This is the core the trainer command wraps (groundwork for it: logging, checkpoints and monitoring live
+around this function, not in it). The dense policy's log-probs `pi_old` are recomputed with the model's own
+attention (no Sparrow context, so dense), and the update runs on those same dense forward passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.datasets import Example
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.rewards.runner import score
+from sparrow.schedules import Schedule
+
+from .batch import RolloutBatch, token_logprobs
+from .losses import (
+    LOSS_AGGREGATIONS,
+    grpo_advantages,
+    ppo_clip_loss,
+    tis_stats,
+    tis_weights,
+)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Per-step GRPO settings; the defaults follow the release (SPEC section 7)."""
+
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+    tis_mode: str = "truncate"
+    tis_cap: float = 2.0
+    loss_aggregation: str = "token-mean"
+    mini_batches: int = 1
+    micro_batch_size: int = 4
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise SparrowError(f"unknown loss_aggregation {self.loss_aggregation!r}: expected one of "
+                               f"{', '.join(LOSS_AGGREGATIONS)}")
+        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_grad_norm <= 0:
+            raise SparrowError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+
+def _dense_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return token_logprobs(model(input_ids=input_ids).logits, input_ids, temperature)
+
+
+def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
+              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int) -> dict:
+    """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names)."""
+    n = settings.num_generations
+    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                              top_p=settings.top_p, seed=seed)
+    model.eval()
+    completions = engine.generate([ex.prompt for ex in examples], sampling, schedule, num_samples=n)
+    prompts = [examples[c.prompt_index].prompt for c in completions]
+    columns = {"answer": [examples[c.prompt_index].answer for c in completions]}
+    for key in examples[0].columns:
+        columns.setdefault(key, [examples[c.prompt_index].columns.get(key) for c in completions])
+    scored = score(reward_fns, prompts, [c.text for c in completions], columns)
+    rewards = torch.tensor(scored.totals, dtype=torch.float32).view(len(examples), n)
+    advantages = grpo_advantages(rewards).flatten()
+
+    batch = RolloutBatch.from_completions(completions, pad_id=engine.tokenizer.pad_token_id or 0)
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    advantages = advantages.to(device)
+    with torch.no_grad():
+        logp_old = torch.cat([_dense_logprobs(model, batch.input_ids[i: i + settings.micro_batch_size],
+                                              settings.temperature)
+                              for i in range(0, len(completions), settings.micro_batch_size)])
+    weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
+
+    model.train()
+    order = torch.arange(len(completions))
+    losses, grad_norms, clip_stats = [], [], []
+    for mini in order.chunk(settings.mini_batches):
+        optimizer.zero_grad(set_to_none=True)
+        tokens = batch.mask[mini].sum()
+        for micro in mini.split(settings.micro_batch_size):
+            logp = _dense_logprobs(model, batch.input_ids[micro], settings.temperature)
+            loss, stats = ppo_clip_loss(logp, logp_old[micro], advantages[micro], batch.mask[micro],
+                                        weights=weights[micro], clip_low=settings.clip_low,
+                                        clip_high=settings.clip_high, dual_clip=settings.dual_clip,
+                                        aggregation=settings.loss_aggregation)
+            share = (batch.mask[micro].sum() / tokens if settings.loss_aggregation == "token-mean"
+                     else torch.tensor(len(micro) / len(mini)))
+            (loss * share).backward()
+            losses.append(float(loss.detach() * share))
+            clip_stats.append(stats)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)))
+        optimizer.step()
+    model.eval()
+
+    valid = batch.mask.bool()
+    diff = (batch.rollout_logprobs - logp_old)[valid].abs()
+    ratio = tis_stats(logp_old, batch.rollout_logprobs, batch.mask, settings.tis_cap)
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/frac_zero_std_groups": float((rewards.std(dim=1, unbiased=False) == 0).float().mean()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "loss": sum(losses) / settings.mini_batches,
+        "grad_norm": max(grad_norms),
+        "clip_ratio": sum(s["clip_frac"] for s in clip_stats) / len(clip_stats),
+        "sampling/importance_sampling_ratio/min": ratio["ratio_min"],
+        "sampling/importance_sampling_ratio/mean": ratio["ratio_mean"],
+        "sampling/importance_sampling_ratio/max": ratio["ratio_max"],
+        "sampling/importance_sampling_ratio/frac_truncated": ratio["frac_above_cap"],
+        "sampling/sampling_logp_difference/mean": float(diff.mean()),
+        "sampling/sampling_logp_difference/max": float(diff.max()),
+        "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
+    }
