@@ -9,9 +9,9 @@ from transformers.utils import logging as hf_logging
 
 from sparrow.errors import SparrowError
 
-from . import bench, calibrate, cost, generate, profile, prompts, schedule
+from . import bench, calibrate, cost, generate, profile, prompts, schedule, train
 
-COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost)
+COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

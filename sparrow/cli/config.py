@@ -31,6 +31,15 @@ def _scalar_type(tp):
     return tp if tp in (int, float, str) else str
 
 
+def _item_type(tp):
+    """The element type of a list[X] | None annotation (str when unknown)."""
+    for arg in typing.get_args(tp) or (tp,):
+        if typing.get_origin(arg) in (list, tuple) and typing.get_args(arg):
+            inner = typing.get_args(arg)[0]
+            return inner if inner in (int, float, str) else str
+    return str
+
+
 def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[str, str] | None = None,
                        skip: tuple[str, ...] = ()) -> None:
     """Add `--config FILE` and one option per field of the dataclass `cls`."""
@@ -48,7 +57,8 @@ def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[st
         if kind == "bool":
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif kind == "list":
-            parser.add_argument(flag, dest=field.name, action="append", default=None, help=text + " (repeatable)")
+            parser.add_argument(flag, dest=field.name, action="append", default=None, type=_item_type(hints[field.name]),
+                                help=text + " (repeatable)")
         else:
             parser.add_argument(flag, dest=field.name, type=kind, default=None, help=text)
 

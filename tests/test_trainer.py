@@ -1,0 +1,80 @@
+"""The training loop on a tiny model: metrics log, checkpoints, and a resumed run equal to an uninterrupted one."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparrow.errors import SparrowError
+from sparrow.rl.trainer import TrainConfig, train
+
+
+def byte_mean(prompts, completions, **_):
+    return [sum(c.encode()) / (255 * max(1, len(c.encode()))) for c in completions]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "abc " * (10 + i), "answer": str(i)}) + "\n" for i in range(5)))
+    return path
+
+
+def _config(data, out, **overrides):
+    values = dict(model="tiny-qwen3", data=str(data), reward=["tests.test_trainer:byte_mean"], steps=2,
+                  prompts_per_step=2, num_generations=3, max_new_tokens=8, learning_rate=1e-3,
+                  schedule="const:48", micro_batch_size=4, output_dir=str(out))
+    return TrainConfig(**{**values, **overrides})
+
+
+def _weights(path):
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_two_steps_log_metrics_and_a_resumed_run_ends_with_the_same_parameters(data, tmp_path):
+    full = tmp_path / "full"
+    history = train(_config(data, full), log=lambda *_: None)
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] == [h["step"] for h in history]
+    assert {"reward/mean", "loss", "grad_norm", "sampling/importance_sampling_ratio/mean"} <= set(rows[0])
+    assert sorted(p.name for p in full.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+    split = tmp_path / "split"
+    train(_config(data, split, steps=1), log=lambda *_: None)
+    train(_config(data, split, steps=2, resume=True), log=lambda *_: None)
+    a, b = _weights(full / "checkpoint-2"), _weights(split / "checkpoint-2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    initial = AutoModelForCausalLM.from_pretrained(full / "checkpoint-1").state_dict()
+    assert any(not torch.equal(initial[k], a[k]) for k in a)
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(data, tmp_path):
+    train(_config(data, tmp_path / "run", steps=1), log=lambda *_: None)
+    with pytest.raises(SparrowError, match="--resume"):
+        train(_config(data, tmp_path / "run", steps=1), log=lambda *_: None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"data": "missing.jsonl"}, "does not exist"),
+    ({"reward": ["nope_module:fn"]}, "nope_module"),
+    ({"schedule": "const:50"}, "multiple of the page size"),
+    ({"reward_weights": [1.0, 2.0]}, "reward_weights"),
+])
+def test_bad_configs_stop_before_any_work(data, tmp_path, overrides, message):
+    with pytest.raises(SparrowError, match=message):
+        _config(overrides.pop("data", data), tmp_path / "x", **overrides).validate()
+
+
+def test_the_train_command_reads_yaml_and_flags(data, tmp_path, capsys):
+    from sparrow.cli import main
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"model: tiny-qwen3\ndata: {data}\nreward: [tests.test_trainer:byte_mean]\nsteps: 5\n"
+                      "prompts_per_step: 1\nnum_generations: 2\nmax_new_tokens: 4\n")
+    out = tmp_path / "cli"
+    assert main(["train", "--config", str(config), "--steps", "1", "--output-dir", str(out),
+                 "--reward-weights", "2.0"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert main(["train", "--config", str(config), "--output-dir", str(out), "--reward", "nope:fn"]) == 2
+    assert "nope" in capsys.readouterr().err
