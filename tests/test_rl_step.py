@@ -36,7 +36,19 @@ def test_a_step_with_varied_rewards_changes_the_weights_and_reports_metrics():
     assert metrics["reward/frac_zero_std_groups"] < 1.0 and metrics["grad_norm"] > 0
     assert metrics["completions/max_length"] <= 12
     assert 0 < metrics["sampling/importance_sampling_ratio/min"] <= metrics["sampling/importance_sampling_ratio/max"]
-    assert metrics["rollout/kv_budget_mean"] > 0 and all(v == v for v in metrics.values())
+    assert metrics["rollout/kv_budget_mean"] > 0
+    assert 0 <= metrics["mismatch/acceptance_lower/p5"] <= metrics["mismatch/acceptance_lower/mean"] <= 1
+    assert any(k.startswith("mismatch/bin_") for k in metrics)
+
+
+def test_bins_whose_tail_falls_below_tau_are_warned_about():
+    model, engine, optimizer = _setup()
+    strict = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.999, bin_size=64)
+    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), strict, seed=0)
+    assert metrics["mismatch/warnings"] and "< tau 0.999" in metrics["mismatch/warnings"][0]
+    lenient = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.01, bin_size=64)
+    assert grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), lenient,
+                     seed=0)["mismatch/warnings"] == []
 
 
 def test_flat_rewards_give_zero_advantages_and_leave_the_weights_unchanged():

@@ -14,6 +14,7 @@ import torch
 from sparrow.datasets import Example
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.metrics import acceptance_bounds, tail_stats
 from sparrow.rewards.runner import score
 from sparrow.schedules import Schedule
 
@@ -44,12 +45,14 @@ class StepSettings:
     mini_batches: int = 1
     micro_batch_size: int = 4
     max_grad_norm: float = 1.0
+    tau: float = 0.86
+    bin_size: int = 2000
 
     def __post_init__(self):
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise SparrowError(f"unknown loss_aggregation {self.loss_aggregation!r}: expected one of "
                                f"{', '.join(LOSS_AGGREGATIONS)}")
-        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size"):
+        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size", "bin_size"):
             if getattr(self, name) < 1:
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_grad_norm <= 0:
@@ -60,9 +63,43 @@ def _dense_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch
     return token_logprobs(model(input_ids=input_ids).logits, input_ids, temperature)
 
 
+def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi_old of the sampled tokens, and a lower bound on each generated token's acceptance rate.
+
+    The bound comes from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
+    full sparse distributions are not kept, and the lower bound is the conservative side for the tail.
+    """
+    logp_old, lower = [], []
+    for start in range(0, batch.input_ids.shape[0], settings.micro_batch_size):
+        rows = slice(start, start + settings.micro_batch_size)
+        logits = model(input_ids=batch.input_ids[rows]).logits
+        logp_old.append(token_logprobs(logits, batch.input_ids[rows], settings.temperature))
+        valid = batch.mask[rows].bool()
+        low, _ = acceptance_bounds(batch.top_ids[rows][valid], batch.top_logprobs[rows][valid],
+                                   logits[:, :-1][valid], settings.temperature)
+        lower.append(low)
+    return torch.cat(logp_old), torch.cat(lower)
+
+
+def mismatch_metrics(lower: torch.Tensor, positions: torch.Tensor, settings: StepSettings) -> tuple[dict, list[str]]:
+    """Per length bin: the 5th percentile and mean of the acceptance lower bound; warnings for bins below tau."""
+    stats = tail_stats(lower.cpu(), positions.cpu(), settings.bin_size)
+    metrics = {"mismatch/acceptance_lower/p5": stats["overall"]["p5"],
+               "mismatch/acceptance_lower/mean": stats["overall"]["mean"]}
+    warnings = []
+    for b in stats["bins"]:
+        metrics[f"mismatch/bin_{b['start']}/acceptance_lower_p5"] = b["p5"]
+        metrics[f"mismatch/bin_{b['start']}/acceptance_lower_mean"] = b["mean"]
+        if b["p5"] < settings.tau:
+            warnings.append(f"length bin [{b['start']}, {b['end']}): 5th percentile of acceptance (lower bound) "
+                            f"{b['p5']:.3f} < tau {settings.tau} over {b['count']} tokens")
+    return metrics, warnings
+
+
 def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
               reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int) -> dict:
-    """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names)."""
+    """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names; the list
+    `mismatch/warnings` names the length bins whose tail acceptance fell below tau)."""
     n = settings.num_generations
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                               top_p=settings.top_p, seed=seed)
@@ -81,9 +118,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     batch = batch.to(device)
     advantages = advantages.to(device)
     with torch.no_grad():
-        logp_old = torch.cat([_dense_logprobs(model, batch.input_ids[i: i + settings.micro_batch_size],
-                                              settings.temperature)
-                              for i in range(0, len(completions), settings.micro_batch_size)])
+        logp_old, lower = _recompute(model, batch, settings)
+    mismatch, warnings = mismatch_metrics(lower, batch.positions[batch.mask.bool()], settings)
     weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
 
     model.train()
@@ -128,4 +164,6 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         "sampling/sampling_logp_difference/mean": float(diff.mean()),
         "sampling/sampling_logp_difference/max": float(diff.max()),
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
+        **mismatch,
+        "mismatch/warnings": warnings,
     }

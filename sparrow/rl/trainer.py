@@ -55,6 +55,8 @@ class TrainConfig:
     dual_clip: float | None = 3.0
     tis_mode: str = "truncate"
     tis_cap: float = 2.0
+    tau: float = 0.86
+    bin_size: int = 2000
     loss_aggregation: str = "token-mean"
     mini_batches: int = 1
     micro_batch_size: int = 4
@@ -99,7 +101,7 @@ class TrainConfig:
                             clip_high=self.clip_high, dual_clip=self.dual_clip, tis_mode=self.tis_mode,
                             tis_cap=self.tis_cap, loss_aggregation=self.loss_aggregation,
                             mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size,
-                            max_grad_norm=self.max_grad_norm)
+                            max_grad_norm=self.max_grad_norm, tau=self.tau, bin_size=self.bin_size)
 
 
 def train(config: TrainConfig, log=print) -> list[dict]:
@@ -134,6 +136,8 @@ def train(config: TrainConfig, log=print) -> list[dict]:
         with open(out / "metrics.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps(metrics) + "\n")
         history.append(metrics)
+        for warning in metrics["mismatch/warnings"]:
+            log(f"warning: step {step + 1}: {warning}")
         log(f"step {step + 1}/{config.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
             f"len {metrics['completions/mean_length']:.0f}  {metrics['time/step_s']:.1f}s")
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
