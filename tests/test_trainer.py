@@ -78,3 +78,12 @@ def test_the_train_command_reads_yaml_and_flags(data, tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert main(["train", "--config", str(config), "--output-dir", str(out), "--reward", "nope:fn"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_the_tiny_example_config_runs(tmp_path):
+    from sparrow.cli import main
+
+    out = tmp_path / "tiny"
+    assert main(["train", "--config", "examples/tiny.yaml", "--output-dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and (out / "checkpoint-2" / "config.json").exists()
