@@ -87,3 +87,4 @@ def test_the_tiny_example_config_runs(tmp_path):
     assert main(["train", "--config", "examples/tiny.yaml", "--output-dir", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and (out / "checkpoint-2" / "config.json").exists()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))

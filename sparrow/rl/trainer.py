@@ -1,4 +1,4 @@
-"""The GRPO training loop around `grpo_step`: data order, optimizer, metrics log, checkpoints, resume.
+"""The GRPO training loop around `grpo_step`: data order, optimizer, metrics (JSONL + TensorBoard), checkpoints.
 
 Everything that varies between steps is a function of (seed, step): the prompts of step k come from the
 seeded sampler, and the rollout seed is derived from the step, so a run resumed from checkpoint-k draws the
@@ -126,6 +126,9 @@ def train(config: TrainConfig, log=print) -> list[dict]:
     elif (out / "metrics.jsonl").exists() and not config.resume:
         raise SparrowError(f"{out} already holds a run; pass --resume to continue it or choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)
+    from torch.utils.tensorboard import SummaryWriter
+
+    board = SummaryWriter(str(out / "tensorboard"))
     rewards, settings, history = config.reward_functions(), config.settings(), []
     for step in range(start, config.steps):
         began = time.perf_counter()
@@ -136,6 +139,10 @@ def train(config: TrainConfig, log=print) -> list[dict]:
         with open(out / "metrics.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps(metrics) + "\n")
         history.append(metrics)
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and name != "step":
+                board.add_scalar(name, value, step + 1)
+        board.flush()
         for warning in metrics["mismatch/warnings"]:
             log(f"warning: step {step + 1}: {warning}")
         log(f"step {step + 1}/{config.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
@@ -143,5 +150,6 @@ def train(config: TrainConfig, log=print) -> list[dict]:
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             save_checkpoint(out, step + 1, model, tokenizer, optimizer,
                             {"config": dataclasses.asdict(config)}, config.keep_last)
+    board.close()
     sys.stdout.flush()
     return history
