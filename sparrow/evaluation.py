@@ -1,0 +1,40 @@
+"""mean@k and unbiased pass@k of sampled completions, dense or sparse, scored by the training rewards."""
+
+from __future__ import annotations
+
+from math import comb
+
+from sparrow.datasets import Example
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.rewards.runner import score
+from sparrow.schedules import Schedule
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which `correct` passed: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021)."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise SparrowError(f"pass@k needs 0 <= correct <= n and 1 <= k <= n, got n={n}, correct={correct}, k={k}")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - comb(n - correct, k) / comb(n, k)
+
+
+def evaluate(engine: RolloutEngine, examples: list[Example], reward_fns: list, schedule: Schedule,
+             sampling: SamplingParams, k: int, threshold: float = 1.0, progress: bool = False) -> dict:
+    """Sample k completions per example; a completion passes when its total reward reaches `threshold`."""
+    completions = engine.generate([ex.prompt for ex in examples], sampling, schedule, num_samples=k,
+                                  progress=progress)
+    prompts = [examples[c.prompt_index].prompt for c in completions]
+    columns = {"answer": [examples[c.prompt_index].answer for c in completions]}
+    totals = score(reward_fns, prompts, [c.text for c in completions], columns).totals
+    per_example = [totals[i * k:(i + 1) * k] for i in range(len(examples))]
+    passed = [sum(r >= threshold for r in rewards) for rewards in per_example]
+    ks = sorted({1, k} | {j for j in (2, 4, 8, 16, 32) if j < k})
+    return {
+        "examples": len(examples),
+        "samples_per_example": k,
+        f"mean@{k}": sum(totals) / len(totals),
+        **{f"pass@{j}": sum(pass_at_k(k, c, j) for c in passed) / len(passed) for j in ks},
+        "mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
+    }
