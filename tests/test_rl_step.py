@@ -39,6 +39,8 @@ def test_a_step_with_varied_rewards_changes_the_weights_and_reports_metrics():
     assert metrics["rollout/kv_budget_mean"] > 0
     assert 0 <= metrics["mismatch/acceptance_lower/p5"] <= metrics["mismatch/acceptance_lower/mean"] <= 1
     assert any(k.startswith("mismatch/bin_") for k in metrics)
+    assert all(metrics[f"time/{phase}_s"] > 0 for phase in ("rollout", "reward", "recompute", "update"))
+    assert metrics["rollout/tokens_per_s"] > 0
 
 
 def test_bins_whose_tail_falls_below_tau_are_warned_about():

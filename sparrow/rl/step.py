@@ -7,6 +7,7 @@ attention (no Sparrow context, so dense), and the update runs on those same dens
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,10 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                               top_p=settings.top_p, seed=seed)
     model.eval()
+    clock = time.perf_counter()
     completions = engine.generate([ex.prompt for ex in examples], sampling, schedule, num_samples=n)
+    timing = {"time/rollout_s": time.perf_counter() - clock}
+    clock = time.perf_counter()
     prompts = [examples[c.prompt_index].prompt for c in completions]
     columns = {"answer": [examples[c.prompt_index].answer for c in completions]}
     for key in examples[0].columns:
@@ -112,6 +116,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     scored = score(reward_fns, prompts, [c.text for c in completions], columns)
     rewards = torch.tensor(scored.totals, dtype=torch.float32).view(len(examples), n)
     advantages = grpo_advantages(rewards).flatten()
+    timing["time/reward_s"] = time.perf_counter() - clock
+    clock = time.perf_counter()
 
     batch = RolloutBatch.from_completions(completions, pad_id=engine.tokenizer.pad_token_id or 0)
     device = next(model.parameters()).device
@@ -121,6 +127,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         logp_old, lower = _recompute(model, batch, settings)
     mismatch, warnings = mismatch_metrics(lower, batch.positions[batch.mask.bool()], settings)
     weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
+    timing["time/recompute_s"] = time.perf_counter() - clock
+    clock = time.perf_counter()
 
     model.train()
     order = torch.arange(len(completions))
@@ -142,6 +150,7 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)))
         optimizer.step()
     model.eval()
+    timing["time/update_s"] = time.perf_counter() - clock
 
     valid = batch.mask.bool()
     diff = (batch.rollout_logprobs - logp_old)[valid].abs()
@@ -164,6 +173,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         "sampling/sampling_logp_difference/mean": float(diff.mean()),
         "sampling/sampling_logp_difference/max": float(diff.max()),
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
+        "rollout/tokens_per_s": float(lengths.sum()) / timing["time/rollout_s"],
+        **timing,
         **mismatch,
         "mismatch/warnings": warnings,
     }
