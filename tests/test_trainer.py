@@ -88,3 +88,15 @@ def test_the_tiny_example_config_runs(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and (out / "checkpoint-2" / "config.json").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_report_compares_runs_with_plots(data, tmp_path):
+    from sparrow.cli import main
+
+    for name, schedule in (("sparse", "const:48"), ("dense", "dense")):
+        train(_config(data, tmp_path / name, schedule=schedule, bin_size=16), log=lambda *_: None)
+    assert (tmp_path / "sparse" / "report.md").exists()
+    assert main(["report", str(tmp_path / "sparse"), str(tmp_path / "dense"), "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "| sparse | 2 |" in text and "| dense | 2 |" in text
+    assert (tmp_path / "r" / "curves.png").stat().st_size > 1000 and (tmp_path / "r" / "mismatch.png").exists()

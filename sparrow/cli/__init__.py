@@ -9,9 +9,9 @@ from transformers.utils import logging as hf_logging
 
 from sparrow.errors import SparrowError
 
-from . import bench, calibrate, cost, evaluate, generate, profile, prompts, schedule, train
+from . import bench, calibrate, cost, evaluate, generate, profile, prompts, report, schedule, train
 
-COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost, train, evaluate)
+COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost, train, evaluate, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

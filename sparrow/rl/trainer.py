@@ -24,6 +24,7 @@ from sparrow.rewards import load_reward
 from sparrow.schedules import parse_schedule
 
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from .report import write_report
 from .step import StepSettings, grpo_step
 
 
@@ -151,5 +152,7 @@ def train(config: TrainConfig, log=print) -> list[dict]:
             save_checkpoint(out, step + 1, model, tokenizer, optimizer,
                             {"config": dataclasses.asdict(config)}, config.keep_last)
     board.close()
+    write_report([out], out)
+    log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
     sys.stdout.flush()
     return history
