@@ -78,3 +78,17 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
     assert abs(metrics[0]["grad_norm"] - metrics[1]["grad_norm"]) < 1e-5
     # Adam normalizes each coordinate, so float noise in near-zero gradients shows up at ~lr * 1e-3
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*results))
+
+
+def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():
+    model, engine, optimizer = _setup()
+    reference = load_model("tiny-qwen3")[0]
+    settings = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=8, kl_coef=0.5)
+    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings,
+                        seed=0, reference=reference)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy before its first update is the reference
+    second = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings,
+                       seed=1, reference=reference)
+    assert second["kl"] > 0
+    with pytest.raises(Exception, match="reference"):
+        grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings, seed=2)

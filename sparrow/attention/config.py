@@ -29,7 +29,8 @@ class SparseConfig:
             raise SparrowError(f"page_size must be a positive integer, got {self.page_size}")
         if self.sink_pages < 0 or self.recent_pages < 1:
             raise SparrowError(
-                f"need sink_pages >= 0 and recent_pages >= 1 (the current page), got {self.sink_pages}, {self.recent_pages}"
+                "need sink_pages >= 0 and recent_pages >= 1 (the current page), "
+                f"got {self.sink_pages}, {self.recent_pages}"
             )
         if self.landmark not in LANDMARKS:
             raise SparrowError(f"unknown landmark {self.landmark!r}: expected one of {', '.join(LANDMARKS)}")

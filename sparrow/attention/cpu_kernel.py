@@ -2,9 +2,10 @@
 
 The PyTorch path scores pages, selects them, gathers the selected keys and values into new tensors and then
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the
-same in one call, reading the pages once in place; on a CPU that is most of the time of a sparse layer. It is built on first use with the C++ compiler torch
-uses (cached by torch under ~/.cache/torch_extensions). Anything that stops it from building leaves the
-pure-PyTorch path in charge, with one warning. SPARROW_CPU_KERNEL=0 turns it off.
+same in one call, reading the pages once in place; on a CPU that is most of the time of a sparse layer.
+It is built on first use with the C++ compiler torch uses (cached by torch under ~/.cache/torch_extensions,
+compiled for this CPU with -march=native). Anything that stops it from building leaves the pure-PyTorch path
+in charge, with one warning. SPARROW_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations

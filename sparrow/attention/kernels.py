@@ -108,7 +108,8 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
         token_mask = page_mask.repeat_interleave(ps, dim=-1)[..., :stop]
         token_mask &= torch.arange(stop, device=query.device) <= pos[:, None]
         tc = stop - start
-        mask = token_mask.unsqueeze(2).expand(batch, kv_heads, group, tc, stop).reshape(batch, kv_heads, group * tc, stop)
+        mask = token_mask.unsqueeze(2).expand(batch, kv_heads, group, tc, stop)
+        mask = mask.reshape(batch, kv_heads, group * tc, stop)
         out = F.scaled_dot_product_attention(
             q_chunk.reshape(batch, kv_heads, group * tc, dim), key[:, :, :stop], value[:, :, :stop],
             attn_mask=mask, scale=scaling,

@@ -57,8 +57,8 @@ def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[st
         if kind == "bool":
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif kind == "list":
-            parser.add_argument(flag, dest=field.name, action="append", default=None, type=_item_type(hints[field.name]),
-                                help=text + " (repeatable)")
+            parser.add_argument(flag, dest=field.name, action="append", default=None,
+                                type=_item_type(hints[field.name]), help=text + " (repeatable)")
         else:
             parser.add_argument(flag, dest=field.name, type=kind, default=None, help=text)
 

@@ -108,7 +108,8 @@ class RolloutEngine:
         return total.clone() if schedule.is_dense else schedule.budget_for(total)
 
     @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor, schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor,
+                    schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed one token per row; returns (next-token logits [B, V], KV budget in tokens per row [B])."""
         total = cache.lengths + 1
         budget = self.budgets(schedule, total)

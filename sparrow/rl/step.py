@@ -21,8 +21,10 @@ from sparrow.schedules import Schedule
 
 from .batch import RolloutBatch, token_logprobs
 from .losses import (
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     grpo_advantages,
+    kl_penalty,
     ppo_clip_loss,
     tis_stats,
     tis_weights,
@@ -48,6 +50,8 @@ class StepSettings:
     max_grad_norm: float = 1.0
     tau: float = 0.86
     bin_size: int = 2000
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
 
     def __post_init__(self):
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
@@ -56,6 +60,11 @@ class StepSettings:
         for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size", "bin_size"):
             if getattr(self, name) < 1:
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kl_coef < 0:
+            raise SparrowError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise SparrowError(f"unknown kl_estimator {self.kl_estimator!r}: expected one of "
+                               f"{', '.join(KL_ESTIMATORS)}")
         if self.max_grad_norm <= 0:
             raise SparrowError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
@@ -98,7 +107,7 @@ def mismatch_metrics(lower: torch.Tensor, positions: torch.Tensor, settings: Ste
 
 
 def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
-              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int) -> dict:
+              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int, reference=None) -> dict:
     """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names; the list
     `mismatch/warnings` names the length bins whose tail acceptance fell below tau)."""
     n = settings.num_generations
@@ -126,13 +135,21 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     with torch.no_grad():
         logp_old, lower = _recompute(model, batch, settings)
     mismatch, warnings = mismatch_metrics(lower, batch.positions[batch.mask.bool()], settings)
+    logp_ref = None
+    if settings.kl_coef > 0:
+        if reference is None:
+            raise SparrowError("kl_coef > 0 needs a reference model")
+        with torch.no_grad():
+            logp_ref = torch.cat([_dense_logprobs(reference, batch.input_ids[i: i + settings.micro_batch_size],
+                                                  settings.temperature)
+                                  for i in range(0, len(completions), settings.micro_batch_size)])
     weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
     timing["time/recompute_s"] = time.perf_counter() - clock
     clock = time.perf_counter()
 
     model.train()
     order = torch.arange(len(completions))
-    losses, grad_norms, clip_stats = [], [], []
+    losses, grad_norms, clip_stats, kl_values = [], [], [], []
     for mini in order.chunk(settings.mini_batches):
         optimizer.zero_grad(set_to_none=True)
         tokens = batch.mask[mini].sum()
@@ -142,6 +159,11 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
                                         weights=weights[micro], clip_low=settings.clip_low,
                                         clip_high=settings.clip_high, dual_clip=settings.dual_clip,
                                         aggregation=settings.loss_aggregation)
+            if logp_ref is not None:
+                kl = kl_penalty(logp, logp_ref[micro], settings.kl_estimator)
+                kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
+                loss = loss + settings.kl_coef * kl
+                kl_values.append(float(kl.detach()))
             share = (batch.mask[micro].sum() / tokens if settings.loss_aggregation == "token-mean"
                      else torch.tensor(len(micro) / len(mini)))
             (loss * share).backward()
@@ -164,6 +186,7 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "loss": sum(losses) / settings.mini_batches,
+        **({"kl": sum(kl_values) / len(kl_values)} if kl_values else {}),
         "grad_norm": max(grad_norms),
         "clip_ratio": sum(s["clip_frac"] for s in clip_stats) / len(clip_stats),
         "sampling/importance_sampling_ratio/min": ratio["ratio_min"],

@@ -7,6 +7,7 @@ same data and samples as an uninterrupted one and ends with the same parameters.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
@@ -58,6 +59,8 @@ class TrainConfig:
     tis_cap: float = 2.0
     tau: float = 0.86
     bin_size: int = 2000
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
     loss_aggregation: str = "token-mean"
     mini_batches: int = 1
     micro_batch_size: int = 4
@@ -102,7 +105,8 @@ class TrainConfig:
                             clip_high=self.clip_high, dual_clip=self.dual_clip, tis_mode=self.tis_mode,
                             tis_cap=self.tis_cap, loss_aggregation=self.loss_aggregation,
                             mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size,
-                            max_grad_norm=self.max_grad_norm, tau=self.tau, bin_size=self.bin_size)
+                            max_grad_norm=self.max_grad_norm, tau=self.tau, bin_size=self.bin_size,
+                            kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
 
 
 def train(config: TrainConfig, log=print) -> list[dict]:
@@ -117,6 +121,9 @@ def train(config: TrainConfig, log=print) -> list[dict]:
     sparse = config.sparse_config()
     engine = RolloutEngine(model, tokenizer, sparse)
     schedule = parse_schedule(config.schedule, sparse.page_size, sparse.always_kept_pages)
+    reference = None
+    if config.kl_coef > 0:
+        reference = copy.deepcopy(model).requires_grad_(False)  # the initial policy, also on resume
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     start = 0
     if config.resume and (found := list_checkpoints(out)):
@@ -135,7 +142,7 @@ def train(config: TrainConfig, log=print) -> list[dict]:
         began = time.perf_counter()
         batch = [examples[i] for i in sampler.batch(step)]
         metrics = grpo_step(model, engine, optimizer, batch, rewards, schedule, settings,
-                            seed=config.seed * 1_000_003 + step)
+                            seed=config.seed * 1_000_003 + step, reference=reference)
         metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}
         with open(out / "metrics.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps(metrics) + "\n")
