@@ -100,3 +100,13 @@ def test_report_compares_runs_with_plots(data, tmp_path):
     text = (tmp_path / "r" / "report.md").read_text()
     assert "| sparse | 2 |" in text and "| dense | 2 |" in text
     assert (tmp_path / "r" / "curves.png").stat().st_size > 1000 and (tmp_path / "r" / "mismatch.png").exists()
+
+
+def test_the_gpu_example_config_names_only_known_options():
+    import dataclasses
+
+    import yaml
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for path in ("examples/tiny.yaml", "examples/qwen3-1.7b-gpu.yaml"):
+        assert set(yaml.safe_load(open(path))) <= known, path
