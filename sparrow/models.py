@@ -77,6 +77,28 @@ vocabulary size and special token ids come from the tiny tokenizer. ``initialize
 rather than 0.02 so the logits of an untrained model are far from uniform."""
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available) as a torch.device, with a clear error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SparrowError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SparrowError(f"device {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise SparrowError(f"unknown dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def load_model(
     spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

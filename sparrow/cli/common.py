@@ -8,9 +8,8 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.models import resolve_device, resolve_dtype
 from sparrow.schedules import Schedule, parse_schedule
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 MODEL_HELP = {
     "model": "smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, a .gguf file or a local Hugging Face model directory",
@@ -36,8 +35,7 @@ class ModelOptions:
     device: str = "auto"
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise SparrowError(f"unknown dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        resolve_dtype(self.dtype)
         self.sparse_config()
         self.parsed_schedule()
         self.torch_device()
@@ -54,19 +52,10 @@ class ModelOptions:
         return parse_schedule(self.schedule, sparse.page_size, sparse.always_kept_pages)
 
     def torch_device(self) -> torch.device:
-        name = self.device
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise SparrowError(f"unknown device {self.device!r}: expected cpu, cuda, cuda:N or auto") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SparrowError(f"device {self.device!r} asked for, but CUDA is not available here")
-        return device
+        return resolve_device(self.device)
 
     def load(self):
         """(model, tokenizer) on the chosen device and dtype."""
         from sparrow.models import load_model
 
-        return load_model(self.model, dtype=DTYPES[self.dtype], device=self.torch_device())
+        return load_model(self.model, dtype=resolve_dtype(self.dtype), device=self.torch_device())

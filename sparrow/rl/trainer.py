@@ -21,6 +21,7 @@ from sparrow.attention import SparseConfig
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
+from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.schedules import parse_schedule
 
@@ -34,6 +35,8 @@ class TrainConfig:
     """One GRPO run. Names follow TRL where they mean the same thing (num_generations, learning_rate, ...)."""
 
     model: str = "tiny-qwen3"
+    dtype: str = "float32"
+    device: str = "auto"
     data: str | None = None
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -82,6 +85,8 @@ class TrainConfig:
             raise SparrowError(f"learning_rate must be > 0, got {self.learning_rate}")
         self.reward_functions()
         self.settings()
+        resolve_dtype(self.dtype)
+        resolve_device(self.device)
         sparse = self.sparse_config()
         parse_schedule(self.schedule, sparse.page_size, sparse.always_kept_pages)
 
@@ -111,13 +116,11 @@ class TrainConfig:
 
 def train(config: TrainConfig, log=print) -> list[dict]:
     """Run (or resume) the configured steps; returns this invocation's per-step metrics."""
-    from sparrow.models import load_model
-
     config.validate()
     out = Path(config.output_dir)
     examples = load_examples(DataSpec(config.data, config.prompt_field, config.answer_field))
     sampler = PromptSampler(len(examples), config.prompts_per_step, config.seed)
-    model, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model, resolve_dtype(config.dtype), resolve_device(config.device))
     sparse = config.sparse_config()
     engine = RolloutEngine(model, tokenizer, sparse)
     schedule = parse_schedule(config.schedule, sparse.page_size, sparse.always_kept_pages)
