@@ -92,3 +92,21 @@ def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():
     assert second["kl"] > 0
     with pytest.raises(Exception, match="reference"):
         grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings, seed=2)
+
+
+def test_a_step_survives_programs_that_hang_flood_write_outside_or_crash(tmp_path):
+    from sparrow.rewards import run_code
+
+    evil = ["while True:\n    pass\n", "print('x' * 10_000_000)\n", "open('../escape.txt', 'w').write('x')\n",
+            "raise SystemExit(3)\n"]
+
+    def contained(prompts, completions, **_):
+        return [run_code(evil[i % 4], [{"input": "", "output": "ok"}], timeout=1.0, memory_mb=256,
+                         base_dir=str(tmp_path)) for i in range(len(completions))]
+
+    model, engine, optimizer = _setup()
+    settings = StepSettings(num_generations=2, max_new_tokens=4, micro_batch_size=4)
+    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("evil", contained, 1.0)], const(64), settings, seed=0)
+    assert metrics["rewards/records"]["evil"] == {"timeout": 1, "output_limit": 1, "ok": 1, "crash": 1}
+    assert {f["status"] for f in metrics["rewards/failures"]} == {"timeout", "output_limit", "crash"}
+    assert metrics["reward/mean"] == 0.0 and list(tmp_path.iterdir()) == []

@@ -1,6 +1,6 @@
 """Reward functions for RL: math (math-verify), code (tests run in a resource-limited child), custom, and scoring."""
 
-from sparrow.rewards.code import CodeResult, code_reward, extract_program, run_code
+from sparrow.rewards.code import CodeResult, code_results, code_reward, extract_program, run_code
 from sparrow.rewards.custom import REWARDS, load_reward
 from sparrow.rewards.math import last_boxed, math_reward, math_score
 from sparrow.rewards.runner import RewardError, ScoreResult, score
@@ -10,6 +10,7 @@ __all__ = [
     "CodeResult",
     "RewardError",
     "ScoreResult",
+    "code_results",
     "code_reward",
     "extract_program",
     "last_boxed",

@@ -264,10 +264,13 @@ def run_code(
 
 
 def code_reward(prompts, completions, tests, timeout=5.0, memory_mb=512, workers: int = 1, **_) -> list[float]:
-    """Reward function (TRL-style): fraction of each completion's tests its extracted program passes.
+    """Reward function (TRL-style): fraction of each completion's tests its extracted program passes."""
+    return [r.reward for r in code_results(prompts, completions, tests, timeout, memory_mb, workers)]
 
-    ``workers`` > 1 runs that many completions at once (threads, each waiting on its own child process).
-    """
+
+def code_results(prompts, completions, tests, timeout=5.0, memory_mb=512, workers: int = 1, **_) -> list[CodeResult]:
+    """Like code_reward, but one CodeResult per completion, so the trainer can record what each run did
+    (timeout, crash, memory, output_limit). ``workers`` > 1 runs that many completions at once."""
     if len(tests) != len(completions):
         raise SparrowError(
             f"code_reward got {len(completions)} completions but {len(tests)} test sets; expected equal lengths"
@@ -278,9 +281,9 @@ def code_reward(prompts, completions, tests, timeout=5.0, memory_mb=512, workers
         if not isinstance(completion, str):
             raise SparrowError(f"completion {i} is a {type(completion).__name__}; expected a str")
 
-    def one(pair) -> float:
+    def one(pair) -> CodeResult:
         completion, case = pair
-        return run_code(extract_program(completion), case, timeout, memory_mb).reward
+        return run_code(extract_program(completion), case, timeout, memory_mb)
 
     pairs = list(zip(completions, tests, strict=True))
     if workers == 1:

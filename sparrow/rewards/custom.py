@@ -9,10 +9,10 @@ import os
 import sys
 
 from sparrow.errors import SparrowError
-from sparrow.rewards.code import code_reward
+from sparrow.rewards.code import code_results
 from sparrow.rewards.math import math_reward
 
-REWARDS = {"math": math_reward, "code": code_reward}
+REWARDS = {"math": math_reward, "code": code_results}
 
 
 def _import_file(path: str):

@@ -29,11 +29,14 @@ class RewardError(SparrowError):
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """``totals[i]`` = sum over functions of weight * value; ``per_function[name]`` keeps the unweighted values."""
+    """``totals[i]`` = sum over functions of weight * value; ``per_function[name]`` keeps the unweighted values;
+    ``records[name]`` lists, per sample, what a function that returns detailed results (objects with
+    ``reward`` and ``status``, like CodeResult) reported: ``{"status", "detail"}``."""
 
     totals: list[float]
     per_function: dict[str, list[float]]
     weights: dict[str, float]
+    records: dict[str, list[dict]]
 
 
 def _check_values(name: str, values, n: int) -> list[float]:
@@ -45,6 +48,7 @@ def _check_values(name: str, values, n: int) -> list[float]:
         raise SparrowError(f"reward function {name!r} returned {len(values)} values for {n} completions; expected {n}")
     out = []
     for i, value in enumerate(values):
+        value = getattr(value, "reward", value)  # detailed results (e.g. CodeResult) carry their reward
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise SparrowError(f"reward function {name!r} returned {value!r} for sample {i}; expected a finite float")
         out.append(float(value))
@@ -88,14 +92,16 @@ def score(reward_fns, prompts, completions, columns: dict | None = None) -> Scor
     prompts, completions = list(prompts), list(completions)
     columns = {k: list(v) for k, v in columns.items()}
     totals = [0.0] * n
-    per_function, weights = {}, {}
+    per_function, weights, records = {}, {}, {}
     for name, fn, weight in reward_fns:
         try:
             raw = fn(prompts, completions, **columns)
         except Exception as exc:
             raise _locate_failure(name, fn, prompts, completions, columns, exc) from exc
         values = _check_values(name, raw, n)
+        if all(hasattr(v, "status") for v in raw):
+            records[name] = [{"status": v.status, "detail": str(getattr(v, "stderr_tail", ""))[-200:]} for v in raw]
         per_function[name] = values
         weights[name] = float(weight)
         totals = [t + float(weight) * v for t, v in zip(totals, values, strict=True)]
-    return ScoreResult(totals, per_function, weights)
+    return ScoreResult(totals, per_function, weights, records)

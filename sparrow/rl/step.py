@@ -106,6 +106,13 @@ def mismatch_metrics(lower: torch.Tensor, positions: torch.Tensor, settings: Ste
     return metrics, warnings
 
 
+def _status_counts(rows: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    return counts
+
+
 def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
               reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int, reference=None) -> dict:
     """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names; the list
@@ -195,6 +202,10 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         "sampling/importance_sampling_ratio/frac_truncated": ratio["frac_above_cap"],
         "sampling/sampling_logp_difference/mean": float(diff.mean()),
         "sampling/sampling_logp_difference/max": float(diff.max()),
+        "rewards/records": {name: _status_counts(rows) for name, rows in scored.records.items()},
+        "rewards/failures": [{"reward": name, "sample": i, "prompt_index": completions[i].prompt_index, **row}
+                             for name, rows in scored.records.items() for i, row in enumerate(rows)
+                             if row["status"] != "ok"][:8],
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
         "rollout/tokens_per_s": float(lengths.sum()) / timing["time/rollout_s"],
         **timing,
