@@ -36,6 +36,15 @@ class SparseConfig:
             raise SparrowError(f"unknown landmark {self.landmark!r}: expected one of {', '.join(LANDMARKS)}")
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
 
+    @classmethod
+    def from_options(cls, page_size: int, landmark: str, dense_layers: str) -> "SparseConfig":
+        """Build from command-line / YAML values, where dense layers are a comma-separated string like '0,1'."""
+        try:
+            layers = tuple(int(x) for x in str(dense_layers).split(",") if x.strip())
+        except ValueError:
+            raise SparrowError(f"dense_layers must be comma-separated integers, got {dense_layers!r}") from None
+        return cls(page_size=page_size, landmark=landmark, dense_layers=layers)
+
     @property
     def always_kept_pages(self) -> int:
         return self.sink_pages + self.recent_pages

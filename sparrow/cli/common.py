@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.attention import SparseConfig
-from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.schedules import Schedule, parse_schedule
 
@@ -41,11 +40,7 @@ class ModelOptions:
         self.torch_device()
 
     def sparse_config(self) -> SparseConfig:
-        try:
-            layers = tuple(int(x) for x in str(self.dense_layers).split(",") if x.strip())
-        except ValueError:
-            raise SparrowError(f"dense_layers must be comma-separated integers, got {self.dense_layers!r}") from None
-        return SparseConfig(page_size=self.page_size, landmark=self.landmark, dense_layers=layers)
+        return SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
 
     def parsed_schedule(self) -> Schedule:
         sparse = self.sparse_config()

@@ -91,11 +91,7 @@ class TrainConfig:
         parse_schedule(self.schedule, sparse.page_size, sparse.always_kept_pages)
 
     def sparse_config(self) -> SparseConfig:
-        try:
-            layers = tuple(int(x) for x in str(self.dense_layers).split(",") if x.strip())
-        except ValueError:
-            raise SparrowError(f"dense_layers must be comma-separated integers, got {self.dense_layers!r}") from None
-        return SparseConfig(page_size=self.page_size, landmark=self.landmark, dense_layers=layers)
+        return SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
 
     def reward_functions(self) -> list:
         names = self.reward or ["math"]
