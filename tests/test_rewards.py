@@ -12,6 +12,7 @@ from sparrow.rewards import (
     RewardError,
     code_reward,
     extract_program,
+    first_number_reward,
     last_boxed,
     load_reward,
     math_reward,
@@ -61,6 +62,13 @@ def test_math_reward_off_main_thread_and_bad_inputs():
 # --- code: scoring ----------------------------------------------------------------------------------------------
 
 DOUBLER = "Here you go:\n```python\nprint(int(input()) * 2)\n```\n"
+
+
+def test_first_number_reward_takes_only_the_first_number():
+    completions = ["The pass key is 73154.", "The pass key is 1311, or maybe 73154.", "Entry 12: 73154",
+                   "no digits here", "It is 73,154", "73154.0"]
+    assert first_number_reward([""] * 6, completions, ["73154"] * 6) == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert load_reward("first_number") is first_number_reward
 
 
 def test_code_reward_stdin_stdout_fraction():

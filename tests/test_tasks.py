@@ -1,10 +1,11 @@
-"""The built-in `records` prompts: long enough, reproducible, and answerable from the ledger."""
+"""The built-in `records` and `passkey` prompts: long enough, reproducible, and answerable from the ledger."""
 
 import json
 import re
 
 from sparrow.cli import main
 from sparrow.models import tiny_tokenizer
+from sparrow.tasks import passkey, prompt_length
 from sparrow.tasks.records import make_prompts
 
 
@@ -31,3 +32,29 @@ def test_the_command_writes_jsonl(tmp_path):
     assert main(["prompts", "--model", "tiny-llama", "--count", "2", "--min-tokens", "200", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all({"prompt", "answer"} <= set(r) for r in rows)
+
+
+def test_passkey_prompts_hide_the_key_inside_the_ledger():
+    tok = tiny_tokenizer()
+    examples = passkey.make_prompts(4, 500, seed=2, tokenizer=tok)
+    assert examples == passkey.make_prompts(4, 500, seed=2, tokenizer=tok)
+    for example in examples:
+        lines = example["prompt"][0]["content"].splitlines()
+        key_lines = [i for i, line in enumerate(lines) if line == f"The pass key is {example['answer']}."]
+        entries = [i for i, line in enumerate(lines) if line.startswith("Entry ")]
+        assert len(key_lines) == 1 and re.fullmatch(r"\d{5}", example["answer"])
+        assert entries[0] < key_lines[0] < entries[-1]  # never at the very start or end: not in sink/recent pages
+        assert prompt_length(tok, example["prompt"]) >= 500
+
+
+def test_the_command_writes_passkey_prompts(tmp_path):
+    out = tmp_path / "p.jsonl"
+    assert main(["prompts", "--task", "passkey", "--model", "tiny-llama", "--count", "3", "--min-tokens", "300",
+                 "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["answer"] in r["prompt"][0]["content"] for r in rows)
+
+
+def test_unknown_task_is_named(capsys):
+    assert main(["prompts", "--task", "riddles", "--model", "tiny-llama"]) == 2
+    assert "unknown task 'riddles': expected one of records, passkey" in capsys.readouterr().err

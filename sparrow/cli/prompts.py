@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
-from sparrow.tasks.records import make_prompts
+from sparrow.tasks import passkey, records
 
 from .config import add_config_options, load_config
 
-TASKS = ("records",)
+TASKS = {"records": records.make_prompts, "passkey": passkey.make_prompts}
 
 
 @dataclass
@@ -31,7 +31,8 @@ class PromptsConfig:
 
 
 HELP = {
-    "task": "records: a long storage ledger and a question about one entry (answer: an integer)",
+    "task": "records: a long storage ledger and a question about one entry (answer: an integer, math reward); "
+            "passkey: a pass key hidden in a long ledger (answer: five digits, first_number reward)",
     "count": "number of prompts",
     "min_tokens": "minimum prompt length in tokens, chat template included",
     "model": "whose tokenizer measures the length",
@@ -44,7 +45,7 @@ def run(args) -> int:
     from sparrow.models import load_model
 
     _, tokenizer = load_model(config.model)
-    rows = make_prompts(config.count, config.min_tokens, config.seed, tokenizer)
+    rows = TASKS[config.task](config.count, config.min_tokens, config.seed, tokenizer)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:
         atomic_write_text(config.out, text)

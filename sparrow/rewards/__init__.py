@@ -1,5 +1,6 @@
-"""Reward functions for RL: math (math-verify), code (tests run in a resource-limited child), custom, and scoring."""
+"""Reward functions for RL: math (math-verify), first number (short answers), code (tests run in a resource-limited child), custom, and scoring."""
 
+from sparrow.rewards.answer import first_number_reward
 from sparrow.rewards.code import CodeResult, code_results, code_reward, extract_program, run_code
 from sparrow.rewards.custom import REWARDS, load_reward
 from sparrow.rewards.math import last_boxed, math_reward, math_score
@@ -13,6 +14,7 @@ __all__ = [
     "code_results",
     "code_reward",
     "extract_program",
+    "first_number_reward",
     "last_boxed",
     "load_reward",
     "math_reward",

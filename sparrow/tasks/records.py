@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+from sparrow.tasks import fit_examples
+
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jonas", "Keiko", "Lena",
          "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wen", "Yusuf"]
 ITEMS = ["apples", "books", "candles", "coins", "lamps", "maps", "pencils", "plates", "ropes", "shells", "stamps",
@@ -31,18 +33,4 @@ def make_example(rng: random.Random, entries: int) -> dict:
 
 def make_prompts(count: int, min_tokens: int, seed: int, tokenizer) -> list[dict]:
     """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer`."""
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(count):
-        entries = max(1, min_tokens // 16)
-        while True:
-            state = rng.getstate()
-            example = make_example(rng, entries)
-            ids = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True, tokenize=True)
-            length = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            if length >= min_tokens:
-                break
-            rng.setstate(state)
-            entries += max(1, (min_tokens - length) // 14 + 1)
-        examples.append(example)
-    return examples
+    return fit_examples(make_example, count, min_tokens, seed, tokenizer, tokens_per_entry=14)
