@@ -3,9 +3,10 @@
 import torch
 
 from sparrow.attention.teacher_forced import sparse_forward
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine import Completion, RolloutEngine, SamplingParams
 from sparrow.metrics import acceptance_bounds, acceptance_rate
-from sparrow.rl.batch import RolloutBatch, token_logprobs
+from sparrow.models import load_model
+from sparrow.rl.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces, token_logprobs
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
@@ -42,3 +43,33 @@ def test_bounds_from_packed_top_k_contain_the_exact_sparse_dense_acceptance(llam
     assert torch.all(lower <= exact + 1e-4) and torch.all(exact <= upper + 1e-4)
     assert (exact < 0.999).any()  # the budget really bites on some tokens
     assert batch.kv_budget[valid].max() == 75 and 48 in batch.kv_budget[valid].tolist()
+
+
+def test_shared_prompt_forward_equals_full_forwards_in_values_and_gradients():
+    """One prompt computed once for a group gives the same log-probs and gradients as G full forwards."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-qwen3")
+    RolloutEngine(model, tokenizer)  # the trainer's model has Sparrow's attention registered; its dense path serves
+    prompt = torch.randint(3, 200, (1, 37))
+    lengths = [5, 9, 1]
+    completions = [
+        Completion(prompt_index=0, sample_index=i, prompt_token_ids=prompt[0].tolist(),
+                   token_ids=torch.randint(3, 200, (n,)).tolist(), logprobs=[-1.0] * n,
+                   top_token_ids=[[1]] * n, top_logprobs=[[-1.0]] * n, kv_budget=[0] * n)
+        for i, n in enumerate(lengths)
+    ]
+    batch = RolloutBatch.from_completions(completions)
+    rows = torch.arange(3)
+    assert [p.tolist() for p in shared_prompt_pieces(batch, rows, max_rows=2)] == [[0, 1], [2]]
+
+    full = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
+    (full * batch.mask).sum().backward()
+    full_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits, span = piece_logits(model, batch, rows)
+    shared = piece_logprobs(logits, batch, rows, span)
+    (shared * batch.mask).sum().backward()
+    assert logits.shape[1] == max(lengths)  # logits only where completion tokens are predicted
+    assert torch.allclose(shared * batch.mask, full * batch.mask, atol=1e-5)
+    for got, want in zip((p.grad for p in model.parameters()), full_grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)

@@ -73,3 +73,58 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
         lp = torch.log_softmax(logits[:, start:stop].float() / temperature, dim=-1)
         out.append(lp.gather(-1, targets[:, start:stop, None]).squeeze(-1))
     return torch.cat(out, dim=1)
+
+
+def shared_prompt_pieces(batch: RolloutBatch, rows: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+    """Split `rows` into runs of consecutive rows with the same prompt, at most `max_rows` each.
+
+    The engine returns the n completions of a prompt next to each other, so a GRPO group becomes one piece
+    (or a few when `max_rows` < n), and each piece needs its prompt computed only once.
+    """
+    pieces, run = [], [int(rows[0])]
+    for row in rows[1:].tolist():
+        prev = run[0]
+        p = int(batch.prompt_lengths[prev])
+        same = (len(run) < max_rows and int(batch.prompt_lengths[row]) == p
+                and torch.equal(batch.input_ids[row, :p], batch.input_ids[prev, :p]))
+        if same:
+            run.append(row)
+        else:
+            pieces.append(torch.tensor(run))
+            run = [row]
+    pieces.append(torch.tensor(run))
+    return pieces
+
+
+def completion_logits(model, input_ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """Logits [G, T - P, V] predicting tokens P .. T-1 of G right-padded sequences that share their first P tokens.
+
+    The prompt runs once and its KV cache is repeated for the G rows, so a group costs one prompt plus G
+    completions instead of G prompts; gradients flow through the shared cache into the prompt's computation,
+    so losses and gradients equal those of G full forwards. Logits are computed only where tokens are predicted.
+    """
+    g, t = input_ids.shape
+    first = model(input_ids=input_ids[:1, :prompt_length], use_cache=True, logits_to_keep=1)
+    logits = first.logits.expand(g, -1, -1)
+    if t - 1 > prompt_length:
+        cache = first.cache
+        cache.batch_repeat_interleave(g)
+        rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True).logits
+        logits = torch.cat([logits, rest], dim=1)
+    return logits
+
+
+def piece_logits(model, batch: RolloutBatch, piece: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """`completion_logits` for one piece, trimmed to its longest sequence, and the slice of the [B, T-1] layout
+    (mask, log-probs) its positions cover."""
+    p = int(batch.prompt_lengths[piece[0]])
+    end = int(batch.mask[piece].sum(dim=0).nonzero().max()) + 2
+    return completion_logits(model, batch.input_ids[piece, :end], p), slice(p - 1, end - 1)
+
+
+def piece_logprobs(logits: torch.Tensor, batch: RolloutBatch, piece: torch.Tensor, span: slice,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) of the sampled tokens of a piece, in the batch's [len(piece), T-1] layout (0 elsewhere)."""
+    targets = batch.input_ids[piece, span.start + 1: span.stop + 1]
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (span.start, batch.mask.shape[1] - span.stop))

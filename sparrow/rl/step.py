@@ -19,7 +19,7 @@ from sparrow.metrics import acceptance_bounds, tail_stats
 from sparrow.rewards.runner import score
 from sparrow.schedules import Schedule
 
-from .batch import RolloutBatch, token_logprobs
+from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from .losses import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -69,8 +69,13 @@ class StepSettings:
             raise SparrowError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
 
-def _dense_logprobs(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    return token_logprobs(model(input_ids=input_ids).logits, input_ids, temperature)
+def _pieces(batch: RolloutBatch, rows: torch.Tensor, settings: StepSettings) -> list[torch.Tensor]:
+    return shared_prompt_pieces(batch, rows, settings.micro_batch_size)
+
+
+def _policy_logprobs(model, batch: RolloutBatch, piece: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits, span = piece_logits(model, batch, piece)
+    return piece_logprobs(logits, batch, piece, span, temperature)
 
 
 def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,17 +83,18 @@ def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torc
 
     The bound comes from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
     full sparse distributions are not kept, and the lower bound is the conservative side for the tail.
+    Rows run in shared-prompt pieces (`completion_logits`), so each prompt is computed once per group.
     """
-    logp_old, lower = [], []
-    for start in range(0, batch.input_ids.shape[0], settings.micro_batch_size):
-        rows = slice(start, start + settings.micro_batch_size)
-        logits = model(input_ids=batch.input_ids[rows]).logits
-        logp_old.append(token_logprobs(logits, batch.input_ids[rows], settings.temperature))
-        valid = batch.mask[rows].bool()
-        low, _ = acceptance_bounds(batch.top_ids[rows][valid], batch.top_logprobs[rows][valid],
-                                   logits[:, :-1][valid], settings.temperature)
-        lower.append(low)
-    return torch.cat(logp_old), torch.cat(lower)
+    logp_old = torch.zeros_like(batch.rollout_logprobs)
+    lower = torch.zeros_like(batch.rollout_logprobs)
+    for piece in _pieces(batch, torch.arange(batch.input_ids.shape[0]), settings):
+        logits, span = piece_logits(model, batch, piece)
+        logp_old[piece] = piece_logprobs(logits, batch, piece, span, settings.temperature)
+        valid = batch.mask[piece, span].bool()
+        low, _ = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
+                                   logits[valid], settings.temperature)
+        lower[piece.tolist(), span] = torch.zeros_like(batch.mask[piece, span]).masked_scatter(valid, low)
+    return logp_old, lower[batch.mask.bool()]
 
 
 def mismatch_metrics(lower: torch.Tensor, positions: torch.Tensor, settings: StepSettings) -> tuple[dict, list[str]]:
@@ -147,9 +153,9 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         if reference is None:
             raise SparrowError("kl_coef > 0 needs a reference model")
         with torch.no_grad():
-            logp_ref = torch.cat([_dense_logprobs(reference, batch.input_ids[i: i + settings.micro_batch_size],
-                                                  settings.temperature)
-                                  for i in range(0, len(completions), settings.micro_batch_size)])
+            logp_ref = torch.zeros_like(logp_old)
+            for piece in _pieces(batch, torch.arange(len(completions)), settings):
+                logp_ref[piece] = _policy_logprobs(reference, batch, piece, settings.temperature)
     weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
     timing["time/recompute_s"] = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -160,8 +166,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     for mini in order.chunk(settings.mini_batches):
         optimizer.zero_grad(set_to_none=True)
         tokens = batch.mask[mini].sum()
-        for micro in mini.split(settings.micro_batch_size):
-            logp = _dense_logprobs(model, batch.input_ids[micro], settings.temperature)
+        for micro in _pieces(batch, mini, settings):
+            logp = _policy_logprobs(model, batch, micro, settings.temperature)
             loss, stats = ppo_clip_loss(logp, logp_old[micro], advantages[micro], batch.mask[micro],
                                         weights=weights[micro], clip_low=settings.clip_low,
                                         clip_high=settings.clip_high, dual_clip=settings.dual_clip,
