@@ -1,6 +1,7 @@
 """The training loop on a tiny model: metrics log, checkpoints, and a resumed run equal to an uninterrupted one."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -99,7 +100,11 @@ def test_report_compares_runs_with_plots(data, tmp_path):
     assert main(["report", str(tmp_path / "sparse"), str(tmp_path / "dense"), "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "report.md").read_text()
     assert "| sparse | 2 |" in text and "| dense | 2 |" in text
-    assert (tmp_path / "r" / "curves.png").stat().st_size > 1000 and (tmp_path / "r" / "mismatch.png").exists()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["sparse"].endswith("| 1.00x |") and "rollout speed vs sparse" in text  # the first run is the base
+    assert re.search(r"\| \d+\.\d\dx \|$", rows["dense"])
+    for plot in ("curves.png", "mismatch.png", "phases.png"):
+        assert (tmp_path / "r" / plot).stat().st_size > 1000
 
 
 def test_the_gpu_example_config_names_only_known_options():

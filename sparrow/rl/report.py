@@ -1,8 +1,13 @@
-"""A markdown report with plots from one or more runs' metrics.jsonl (e.g. sparse vs dense rollouts)."""
+"""A markdown report with plots from one or more runs' metrics.jsonl (e.g. sparse vs dense rollouts).
+
+Phase times are medians over steps: the first step also pays one-time costs (kernel build, allocator warm-up),
+and a median keeps one slow step from deciding a comparison.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text, read_jsonl
@@ -42,13 +47,41 @@ def _plot_curves(runs: dict, keys: list[tuple[str, str]], path: Path, title: str
     plt.close(fig)
 
 
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return median(values) if values else float("nan")
+
+
+def _plot_phases(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.8 * len(runs) + 3, 3.8))
+    names = list(runs)
+    bottom = [0.0] * len(names)
+    for phase in PHASES:
+        heights = [_median(runs[n], f"time/{phase}_s") for n in names]
+        ax.bar(names, heights, bottom=bottom, label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("median seconds per step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("Time per phase")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _bins(rows: list[dict]) -> list[str]:
     keys = {k for r in rows for k in r if k.startswith("mismatch/bin_") and k.endswith("acceptance_lower_p5")}
     return sorted(keys, key=lambda k: int(k.split("_")[1].split("/")[0]))
 
 
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
-    """report.md plus curves.png, mismatch.png and phases.png in `out_dir`."""
+    """report.md plus curves.png, mismatch.png and phases.png in `out_dir`; rollout speed is relative to the
+    first run given (pass the dense-rollout run first to read sparse speedups)."""
     runs = load_runs(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_curves(runs, [("reward/mean", "mean reward"), ("completions/mean_length", "mean response length")],
@@ -58,16 +91,22 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     if bin_keys:
         _plot_curves(runs, [(k, k.split("/")[1].replace("bin_", "p5, bin from ")) for k in bin_keys[:4]],
                      out_dir / "mismatch.png", "5th percentile of the acceptance lower bound per length bin")
-    lines = ["# Training report", "", "| run | steps | reward first -> last | mean length | "
-             + " | ".join(f"{p} s/step" for p in PHASES) + " | rollout tokens/s |",
-             "|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
+    _plot_phases(runs, out_dir / "phases.png")
+    first = next(iter(runs))
+    base_rollout = _median(runs[first], "time/rollout_s")
+    lines = ["# Training report", "", f"Median seconds per step by phase; rollout speed relative to `{first}`.", "",
+             "| run | steps | reward first -> last | mean length | "
+             + " | ".join(f"{p} s" for p in PHASES) + f" | rollout tokens/s | rollout speed vs {first} |",
+             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
     for name, rows in runs.items():
-        mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
+        lengths = [r.get("completions/mean_length", 0.0) for r in rows]
         lines.append(f"| {name} | {len(rows)} | {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} | "
-                     f"{mean('completions/mean_length'):.1f} | "
-                     + " | ".join(f"{mean(f'time/{p}_s'):.2f}" for p in PHASES)
-                     + f" | {mean('rollout/tokens_per_s'):.1f} |")
+                     f"{sum(lengths) / len(lengths):.1f} | "
+                     + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
+                     + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
+                     f"{base_rollout / _median(rows, 'time/rollout_s'):.2f}x |")
     lines += ["", "![reward and length](curves.png)"]
+    lines += ["", "![time per phase](phases.png)"]
     if bin_keys:
         lines += ["", "![tail acceptance per bin](mismatch.png)"]
     warnings = [f"- {name}, step {r['step']}: {w}" for name, rows in runs.items() for r in rows
