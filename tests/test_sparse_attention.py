@@ -6,7 +6,7 @@ from peft import LoraConfig, get_peft_model
 
 from sparrow.attention import KVCache, SparseConfig, cpu_kernel
 from sparrow.attention.kernels import decode_attention
-from sparrow.attention.teacher_forced import sparse_forward
+from sparrow.attention.teacher_forced import sparse_completion_logits, sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.schedules import DENSE, const, steps
 from tests.conftest import pad_sequences, random_prompts
@@ -182,3 +182,30 @@ def test_peft_lora_wrapped_models_decode_sparsely_and_agree_with_teacher_forcing
     with lora.disable_adapter():
         base = _continuations(RolloutEngine(lora, tok), random_prompts([150], seed=6), schedule)
     assert base[0].logprobs != outs[0].logprobs  # the adapter is really in the forward
+
+
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_shared_prompt_sparse_forward_equals_the_full_one_in_values_and_gradients(landmark):
+    """The prompt run once for a group, then the completions teacher-forced against its cache, is sparse_forward."""
+    from sparrow.models import load_model
+
+    torch.manual_seed(0)
+    model, _ = load_model("tiny-qwen3")
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    sparse, schedule, p = SparseConfig(landmark=landmark), steps(100, [48, 64, 80]), 130
+    prompt = torch.randint(3, 250, (1, p))
+    ids = torch.cat([prompt.expand(3, -1), torch.randint(3, 250, (3, 70))], dim=1)
+    params = [q for name, q in lora.named_parameters() if "lora_" in name]
+
+    full = sparse_forward(lora, ids, torch.full((3,), p), schedule, sparse).logits[:, p - 1:-1]
+    full.square().mean().backward()
+    want = [q.grad.clone() for q in params]
+    lora.zero_grad()
+    shared = sparse_completion_logits(lora, ids, p, schedule, sparse)
+    shared.square().mean().backward()
+    assert shared.shape == full.shape
+    assert (shared - full).abs().max() <= 1e-4
+    assert all(torch.allclose(q.grad, w, atol=1e-5, rtol=1e-4) for q, w in zip(params, want))
+    dense = sparse_completion_logits(lora, ids, p, DENSE, sparse)
+    assert (dense - shared).abs().max() > 1e-2  # the budget really bites

@@ -67,17 +67,23 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
 def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig,
                              budget_pages: torch.Tensor | None, prompt_lengths: torch.Tensor, scaling: float,
                              chunk: int = 256):
-    """Sparse attention for whole sequences [B, H, T, D], reproducing the decode-time selection.
+    """Sparse attention for whole sequences, reproducing the decode-time selection.
 
-    Position t of row b was decoded with t+1 cached tokens and the budget `budget_pages[b, t]`; positions before
-    `prompt_lengths[b]` came from the dense prefill. Landmarks of the pages filled by then are the same mean (or
-    min/max) of the same keys, so each position selects the pages it selected when decoding. Queries are processed
-    in chunks of `chunk` positions to bound memory.
+    query [B, H, Tq, D] holds the last Tq of the Tk positions whose keys/values [B, Hkv, Tk, D] are given (Tq < Tk
+    when the first Tk - Tq come from a shared prompt's cache). Position t of row b was decoded with t+1 cached
+    tokens and the budget `budget_pages[b, t - (Tk - Tq)]`; positions before `prompt_lengths[b]` came from the
+    dense prefill. Landmarks of the pages filled by then are the same mean (or min/max) of the same keys, so each
+    position selects the pages it selected when decoding. Queries run in chunks of `chunk` to bound memory.
     """
+    batch, q_heads, q_len, dim = query.shape
+    length = key.shape[2]
+    offset = length - q_len
+    position = torch.arange(offset, length, device=query.device)
     if budget_pages is None or layer in sparse.dense_layers:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        causal = torch.arange(length, device=query.device) <= position[:, None] if offset else None
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, is_causal=not offset,
+                                             scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
-    batch, q_heads, length, dim = query.shape
     kv_heads = key.shape[1]
     group = q_heads // kv_heads
     ps = sparse.page_size
@@ -89,16 +95,16 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
         marks = [page_keys.mean(dim=-2)]
     num_pages = -(-length // ps)
     marks = [F.pad(m, (0, 0, 0, num_pages - full)) for m in marks]
-    queries = query.view(batch, kv_heads, group, length, dim)
-    position = torch.arange(length, device=query.device)
-    in_prompt = position[None, :] < prompt_lengths[:, None]  # [B, T]
+    queries = query.view(batch, kv_heads, group, q_len, dim)
+    in_prompt = position[None, :] < prompt_lengths[:, None]  # [B, Tq]
     outputs = []
-    for start in range(0, length, chunk):
-        stop = min(start + chunk, length)
-        pos = position[start:stop]
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len)
+        pos = position[start:end]
+        stop = offset + end  # keys up to the chunk's last position
         n_pages = (pos + ps) // ps  # pages holding t+1 tokens
-        budget = torch.where(in_prompt[:, start:stop], n_pages, budget_pages[:, start:stop])  # [B, Tc]
-        q_chunk = queries[:, :, :, start:stop]
+        budget = torch.where(in_prompt[:, start:end], n_pages, budget_pages[:, start:end])  # [B, Tc]
+        q_chunk = queries[:, :, :, start:end]
         used = int(n_pages.max())
         scores = _scores(q_chunk.transpose(2, 3), [m[:, :, :used] for m in marks], sparse)  # [B, Hkv, Tc, P]
         pages, valid = select_pages(scores, n_pages.view(1, 1, -1), budget[:, None, :],
@@ -107,7 +113,7 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
         page_mask.scatter_(-1, pages, valid)
         token_mask = page_mask.repeat_interleave(ps, dim=-1)[..., :stop]
         token_mask &= torch.arange(stop, device=query.device) <= pos[:, None]
-        tc = stop - start
+        tc = end - start
         mask = token_mask.unsqueeze(2).expand(batch, kv_heads, group, tc, stop)
         mask = mask.reshape(batch, kv_heads, group * tc, stop)
         out = F.scaled_dot_product_attention(

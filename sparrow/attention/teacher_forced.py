@@ -29,3 +29,28 @@ def sparse_forward(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
     ctx = AttentionContext("teacher_forced", sparse, budget_pages=budget,
                            prompt_lengths=prompt_lengths.to(input_ids.device))
     return model(input_ids=input_ids, use_cache=False, **model_kwargs, **{CONTEXT_KEY: ctx})
+
+
+def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int, schedule: Schedule,
+                             sparse: SparseConfig | None = None) -> torch.Tensor:
+    """The sparse actor's logits [G, T - P, V] predicting tokens P .. T-1 of G right-padded sequences that share
+    their first P tokens: `sparse_forward` restricted to the completion positions, with the prompt's dense prefill
+    run once and its KV cache shared by the G rows (gradients flow through it, as in a full forward)."""
+    sparse = sparse or SparseConfig()
+    enable_sparse_attention(model)
+    g, length = input_ids.shape
+    first = model(input_ids=input_ids[:1, :prompt_length], use_cache=True, logits_to_keep=1)
+    logits = first.logits.expand(g, -1, -1)
+    if length - 1 <= prompt_length:
+        return logits
+    cache = first.cache
+    cache.batch_repeat_interleave(g)
+    budget = None
+    if not schedule.is_dense:
+        schedule.validate(sparse.page_size, sparse.always_kept_pages)
+        cached = torch.arange(prompt_length + 1, length, device=input_ids.device)
+        budget = (schedule.budget_for(cached) // sparse.page_size).expand(g, length - 1 - prompt_length)
+    lengths = torch.full((g,), prompt_length, device=input_ids.device)
+    ctx = AttentionContext("teacher_forced", sparse, budget_pages=budget, prompt_lengths=lengths)
+    rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True, **{CONTEXT_KEY: ctx})
+    return torch.cat([logits, rest.logits], dim=1)
