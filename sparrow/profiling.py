@@ -133,8 +133,8 @@ def run_profile(engine: RolloutEngine, prompts: list, schedules: dict[str, Sched
     if origin not in LENGTH_ORIGINS:
         raise SparrowError(f"unknown length origin {origin!r}: expected one of {', '.join(LENGTH_ORIGINS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    key = json.loads(json.dumps({k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
-                                                     "sparse", "chat", "dtype")}))
+    key = json.loads(json.dumps({**{k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
+                                                        "sparse", "chat", "dtype")}, "adapter": meta.get("adapter")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
         previous = json.loads(key_path.read_text())

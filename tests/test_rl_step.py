@@ -6,7 +6,7 @@ import torch
 from sparrow.datasets import Example
 from sparrow.engine import RolloutEngine
 from sparrow.models import load_model
-from sparrow.rl.step import StepSettings, grpo_step
+from sparrow.rl.step import StepSettings, grpo_step, mismatch_metrics
 from sparrow.schedules import const
 
 
@@ -47,10 +47,22 @@ def test_bins_whose_tail_falls_below_tau_are_warned_about():
     model, engine, optimizer = _setup()
     strict = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.999, bin_size=64)
     metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), strict, seed=0)
-    assert metrics["mismatch/warnings"] and "< tau 0.999" in metrics["mismatch/warnings"][0]
+    assert metrics["mismatch/warnings"] and "below tau 0.999" in metrics["mismatch/warnings"][0]
+    assert metrics["mismatch/acceptance_lower/p5"] <= metrics["mismatch/acceptance_upper/p5"] <= 1.0
     lenient = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.01, bin_size=64)
     assert grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), lenient,
                      seed=0)["mismatch/warnings"] == []
+
+
+def test_warnings_say_whether_a_bin_is_below_tau_or_only_may_be():
+    # bin [0, 10): both bounds 0.9; bin [10, 20): lower 0.7, upper 0.9; bin [20, 30): both 0.5.
+    bounds = torch.tensor([[0.9, 0.9]] * 10 + [[0.7, 0.9]] * 10 + [[0.5, 0.5]] * 10)
+    metrics, warnings = mismatch_metrics(bounds, torch.arange(30), StepSettings(tau=0.8, bin_size=10))
+    assert metrics["mismatch/bin_10/acceptance_lower_p5"] == pytest.approx(0.7)
+    assert metrics["mismatch/bin_10/acceptance_upper_p5"] == pytest.approx(0.9)
+    assert len(warnings) == 2
+    assert warnings[0].startswith("length bin [10, 20): 5th percentile of acceptance may be below tau 0.8")
+    assert warnings[1].startswith("length bin [20, 30): 5th percentile of acceptance is below tau 0.8")
 
 
 def test_flat_rewards_give_zero_advantages_and_leave_the_weights_unchanged():
@@ -76,8 +88,9 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
         results.append([p.detach().clone() for p in model.parameters()])
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-7
     assert abs(metrics[0]["grad_norm"] - metrics[1]["grad_norm"]) < 1e-5
-    # Adam normalizes each coordinate, so float noise in near-zero gradients shows up at ~lr * 1e-3
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*results))
+    # Adam normalizes each coordinate, so float noise in near-zero gradients shows up at up to ~lr * 3e-2 (the
+    # summation order differs with the micro-batch and the thread count)
+    assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*results))
 
 
 def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():

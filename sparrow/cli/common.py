@@ -8,6 +8,7 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.models import resolve_device, resolve_dtype
+from sparrow.rl.distill import check_adapter_dir, load_adapter
 from sparrow.schedules import Schedule, parse_schedule
 
 MODEL_HELP = {
@@ -18,6 +19,8 @@ MODEL_HELP = {
     "dense_layers": "comma-separated layer indices that always attend densely",
     "dtype": "float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",
+    "adapter": "peft LoRA adapter directory loaded onto the model (e.g. checkpoint-N/adapter of a DistillSparse run); "
+               "profile measures the actor with it against the dense model without it",
 }
 
 
@@ -32,12 +35,15 @@ class ModelOptions:
     dense_layers: str = "0,1"
     dtype: str = "float32"
     device: str = "auto"
+    adapter: str | None = None
 
     def validate(self) -> None:
         resolve_dtype(self.dtype)
         self.sparse_config()
         self.parsed_schedule()
         self.torch_device()
+        if self.adapter is not None:
+            check_adapter_dir(self.adapter)
 
     def sparse_config(self) -> SparseConfig:
         return SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
@@ -50,7 +56,10 @@ class ModelOptions:
         return resolve_device(self.device)
 
     def load(self):
-        """(model, tokenizer) on the chosen device and dtype."""
+        """(model, tokenizer) on the chosen device and dtype, with the `--adapter` loaded onto the model if given."""
         from sparrow.models import load_model
 
-        return load_model(self.model, dtype=resolve_dtype(self.dtype), device=self.torch_device())
+        model, tokenizer = load_model(self.model, dtype=resolve_dtype(self.dtype), device=self.torch_device())
+        if self.adapter is not None:
+            model = load_adapter(model, self.adapter)
+        return model, tokenizer

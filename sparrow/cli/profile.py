@@ -9,6 +9,7 @@ from pathlib import Path
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
+from sparrow.rl.distill import dense_context
 from sparrow.schedules import Schedule, parse_schedule
 
 from .common import MODEL_HELP, ModelOptions
@@ -94,10 +95,12 @@ def run(args) -> int:
     config = load_config(ProfileConfig, args)
     prompts = read_prompts(config.prompts)
     model, tokenizer = config.load()
-    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size)
+    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size,
+                           reference_context=dense_context(model))
     sparse = config.sparse_config()
     meta = {
-        "model": config.model, "prompts_file": config.prompts, "prompts_hash": prompts_hash(prompts),
+        "model": config.model, "adapter": config.adapter, "prompts_file": config.prompts,
+        "prompts_hash": prompts_hash(prompts),
         "num_prompts": len(prompts), "samples_per_prompt": config.samples_per_prompt, "chat": config.chat,
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
                      "max_new_tokens": config.max_new_tokens, "ignore_eos": config.ignore_eos},

@@ -17,6 +17,11 @@ HELP = {
     "tis_cap": "C in min(pi_old / pi_rollout, C)",
     "output_dir": "where metrics.jsonl and checkpoints go",
     "resume": "continue from the newest checkpoint in --output-dir",
+    "distill": "DistillSparse: a LoRA adapter active only in the sparse actor, trained toward the dense policy",
+    "distill_kl": "k3 (sampled-token estimate of KL(sparse||dense)), forward (exact KL(dense||sparse)) or reverse",
+    "distill_targets": "all-linear or comma-separated module names for the adapter",
+    "switch_schedule": "a more aggressive schedule rollouts switch to once probes show its tail acceptance >= tau",
+    "probe_data": "prompts for the switch probes (default: the last probe_prompts rows of --data, held out)",
 }
 
 

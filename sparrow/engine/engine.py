@@ -7,8 +7,9 @@ are dropped from the batch so that later steps only pay for live sequences.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -31,15 +32,22 @@ Prompt = str | list[dict] | list[int]
 
 
 class RolloutEngine:
-    """Generates rollouts with sparse attention from any transformers causal LM (optionally peft-wrapped)."""
+    """Generates rollouts with sparse attention from any transformers causal LM (optionally peft-wrapped).
 
-    def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64):
+    `reference_context`, when given, is entered around every forward of the lockstep reference decode of
+    `generate(..., reference=...)`, e.g. a peft model's `disable_adapter`, so that a sparse actor with an adapter
+    is measured against the policy without it; the reference then runs its own prefill.
+    """
+
+    def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64,
+                 reference_context: Callable[[], contextlib.AbstractContextManager] | None = None):
         if max_batch_size < 1:
             raise SparrowError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.sparse = sparse or SparseConfig()
         self.max_batch_size = max_batch_size
+        self.reference_context = reference_context
         enable_sparse_attention(model)
         config = base_model(model).config
         self.num_layers = config.num_hidden_layers
@@ -154,16 +162,18 @@ class RolloutEngine:
                        reference: Schedule | None) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
         cache = self.new_cache(len(wave) * num_samples, capacity)
-        seqs, logits = [], []
-        for j, i in enumerate(wave):
-            rows = torch.arange(j * num_samples, (j + 1) * num_samples, device=self.device)
-            logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
-            seqs += [Completion(i, s, encoded[i], acceptance=[] if reference is not None else None)
-                     for s in range(num_samples)]
-        logits = torch.cat(logits)
+        logits = self._prefill_wave(cache, wave, encoded, num_samples)
+        seqs = [Completion(i, s, encoded[i], acceptance=[] if reference is not None else None)
+                for i in wave for s in range(num_samples)]
         budget = cache.lengths.clone()
         live = list(seqs)
-        ref_cache, ref_logits = (cache.clone(), logits) if reference is not None else (None, None)
+        ref_cache, ref_logits = None, None
+        if reference is not None and self.reference_context is None:
+            ref_cache, ref_logits = cache.clone(), logits  # prefill is dense: the reference's is the same
+        elif reference is not None:
+            ref_cache = self.new_cache(len(wave) * num_samples, capacity)
+            with self._reference_scope():
+                ref_logits = self._prefill_wave(ref_cache, wave, encoded, num_samples)
         temperature = 1.0 if sampling.greedy else sampling.temperature
         while True:
             step = sample(logits, sampling, generator)
@@ -184,10 +194,22 @@ class RolloutEngine:
                 step.tokens = step.tokens.index_select(0, index)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
             if ref_cache is not None:
-                ref_logits, _ = self.decode_step(ref_cache, step.tokens, reference)
+                with self._reference_scope():
+                    ref_logits, _ = self.decode_step(ref_cache, step.tokens, reference)
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs
+
+    def _reference_scope(self) -> contextlib.AbstractContextManager:
+        return self.reference_context() if self.reference_context is not None else contextlib.nullcontext()
+
+    def _prefill_wave(self, cache: KVCache, wave: list[int], encoded, num_samples: int) -> torch.Tensor:
+        """Prefill each prompt of the wave into its `num_samples` rows; next-token logits per row [rows, V]."""
+        logits = []
+        for j, i in enumerate(wave):
+            rows = torch.arange(j * num_samples, (j + 1) * num_samples, device=self.device)
+            logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
+        return torch.cat(logits)
 
     def _record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
         tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()

@@ -114,12 +114,14 @@ def completion_logits(model, input_ids: torch.Tensor, prompt_length: int) -> tor
     return logits
 
 
-def piece_logits(model, batch: RolloutBatch, piece: torch.Tensor) -> tuple[torch.Tensor, slice]:
-    """`completion_logits` for one piece, trimmed to its longest sequence, and the slice of the [B, T-1] layout
-    (mask, log-probs) its positions cover."""
+def piece_logits(model, batch: RolloutBatch, piece: torch.Tensor,
+                 forward=completion_logits) -> tuple[torch.Tensor, slice]:
+    """`forward(model, input_ids, prompt_length)` (dense `completion_logits` by default; the sparse actor's is
+    `sparrow.attention.teacher_forced.sparse_completion_logits`) for one piece, trimmed to its longest sequence,
+    and the slice of the [B, T-1] layout (mask, log-probs) its positions cover."""
     p = int(batch.prompt_lengths[piece[0]])
     end = int(batch.mask[piece].sum(dim=0).nonzero().max()) + 2
-    return completion_logits(model, batch.input_ids[piece, :end], p), slice(p - 1, end - 1)
+    return forward(model, batch.input_ids[piece, :end], p), slice(p - 1, end - 1)
 
 
 def piece_logprobs(logits: torch.Tensor, batch: RolloutBatch, piece: torch.Tensor, span: slice,

@@ -4,8 +4,9 @@
     r_t = pi_theta / pi_old
 
 `pi_rollout` is the sparse actor that sampled the tokens, `pi_old` the dense policy's recomputed log-prob of the
-same tokens. Every choice a config makes (advantage estimator, TIS mode, loss aggregation, KL estimator) is looked
-up by name in a registry dict, so a config can be validated against `tuple(REGISTRY)` before a run starts.
+same tokens. Every choice a config makes (advantage estimator, TIS mode, loss aggregation, KL estimator, the
+full-vocabulary KL direction of DistillSparse) is looked up by name in a registry dict, so a config can be
+validated against `tuple(REGISTRY)` before a run starts.
 Log-probs are per token, shape [B, T]; `mask` marks valid (response) tokens with 1/True.
 """
 
@@ -230,3 +231,31 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> 
     _check_name(kind, KL_ESTIMATORS, "KL estimator")
     _check_same_shape(logp=logp, logp_ref=logp_ref)
     return KL_ESTIMATORS[kind](_as_float(logp), _as_float(logp_ref).detach())
+
+
+def _kl_full_forward(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    return (logp_ref.exp() * (logp_ref - logp)).sum(-1)
+
+
+def _kl_full_reverse(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    return (logp.exp() * (logp - logp_ref)).sum(-1)
+
+
+FULL_KL_DIRECTIONS = {"forward": _kl_full_forward, "reverse": _kl_full_reverse}
+
+
+def full_kl(logits: torch.Tensor, logits_ref: torch.Tensor, direction: str = "reverse",
+            temperature: float = 1.0) -> torch.Tensor:
+    """Exact per-position KL over the whole vocabulary between softmax(logits / T) and the detached reference.
+
+    "forward" = KL(ref || pi) (mass-covering, as in distillation from a teacher); "reverse" = KL(pi || ref)
+    (the quantity k3 estimates from sampled tokens). Inputs [..., V]; output [...] in float32, differentiable
+    with respect to `logits` only.
+    """
+    _check_name(direction, FULL_KL_DIRECTIONS, "KL direction")
+    _check_same_shape(logits=logits, logits_ref=logits_ref)
+    if not temperature > 0:
+        raise SparrowError(f"temperature {temperature!r} is invalid: expected a value > 0")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp_ref = torch.log_softmax(logits_ref.detach().float() / temperature, dim=-1)
+    return FULL_KL_DIRECTIONS[direction](logp, logp_ref)

@@ -7,6 +7,7 @@ attention (no Sparrow context, so dense), and the update runs on those same dens
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -52,12 +53,14 @@ class StepSettings:
     bin_size: int = 2000
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    num_logprobs: int = 20
 
     def __post_init__(self):
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise SparrowError(f"unknown loss_aggregation {self.loss_aggregation!r}: expected one of "
                                f"{', '.join(LOSS_AGGREGATIONS)}")
-        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size", "bin_size"):
+        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size", "bin_size",
+                     "num_logprobs"):
             if getattr(self, name) < 1:
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kl_coef < 0:
@@ -79,36 +82,46 @@ def _policy_logprobs(model, batch: RolloutBatch, piece: torch.Tensor, temperatur
 
 
 def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """pi_old of the sampled tokens, and a lower bound on each generated token's acceptance rate.
+    """pi_old of the sampled tokens, and bounds [N, 2] (lower, upper) on each generated token's acceptance rate.
 
-    The bound comes from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
-    full sparse distributions are not kept, and the lower bound is the conservative side for the tail.
-    Rows run in shared-prompt pieces (`completion_logits`), so each prompt is computed once per group.
+    The bounds come from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
+    full sparse distributions are not kept. Rows run in shared-prompt pieces (`completion_logits`), so each
+    prompt is computed once per group.
     """
     logp_old = torch.zeros_like(batch.rollout_logprobs)
-    lower = torch.zeros_like(batch.rollout_logprobs)
+    bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
     for piece in _pieces(batch, torch.arange(batch.input_ids.shape[0]), settings):
         logits, span = piece_logits(model, batch, piece)
         logp_old[piece] = piece_logprobs(logits, batch, piece, span, settings.temperature)
         valid = batch.mask[piece, span].bool()
-        low, _ = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
-                                   logits[valid], settings.temperature)
-        lower[piece.tolist(), span] = torch.zeros_like(batch.mask[piece, span]).masked_scatter(valid, low)
-    return logp_old, lower[batch.mask.bool()]
+        low, high = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
+                                      logits[valid], settings.temperature)
+        found = torch.zeros(*valid.shape, 2, device=valid.device)
+        found[valid] = torch.stack([low, high], dim=-1)
+        bounds[piece.tolist(), span] = found
+    return logp_old, bounds[batch.mask.bool()]
 
 
-def mismatch_metrics(lower: torch.Tensor, positions: torch.Tensor, settings: StepSettings) -> tuple[dict, list[str]]:
-    """Per length bin: the 5th percentile and mean of the acceptance lower bound; warnings for bins below tau."""
-    stats = tail_stats(lower.cpu(), positions.cpu(), settings.bin_size)
-    metrics = {"mismatch/acceptance_lower/p5": stats["overall"]["p5"],
-               "mismatch/acceptance_lower/mean": stats["overall"]["mean"]}
-    warnings = []
-    for b in stats["bins"]:
-        metrics[f"mismatch/bin_{b['start']}/acceptance_lower_p5"] = b["p5"]
-        metrics[f"mismatch/bin_{b['start']}/acceptance_lower_mean"] = b["mean"]
-        if b["p5"] < settings.tau:
-            warnings.append(f"length bin [{b['start']}, {b['end']}): 5th percentile of acceptance (lower bound) "
-                            f"{b['p5']:.3f} < tau {settings.tau} over {b['count']} tokens")
+def mismatch_metrics(bounds: torch.Tensor, positions: torch.Tensor, settings: StepSettings) -> tuple[dict, list[str]]:
+    """Per length bin: the 5th percentile and mean of the acceptance lower and upper bounds ([N, 2]); a warning
+    for each bin whose tail is below tau (upper bound's p5 < tau) or may be (only the lower bound's is)."""
+    metrics, warnings, tails = {}, [], {}
+    for column, side in enumerate(("lower", "upper")):
+        stats = tail_stats(bounds[:, column].cpu(), positions.cpu(), settings.bin_size)
+        metrics[f"mismatch/acceptance_{side}/p5"] = stats["overall"]["p5"]
+        metrics[f"mismatch/acceptance_{side}/mean"] = stats["overall"]["mean"]
+        for b in stats["bins"]:
+            metrics[f"mismatch/bin_{b['start']}/acceptance_{side}_p5"] = b["p5"]
+            metrics[f"mismatch/bin_{b['start']}/acceptance_{side}_mean"] = b["mean"]
+            tails.setdefault((b["start"], b["end"], b["count"]), []).append(b["p5"])
+    for (start, end, count), (low, high) in tails.items():
+        if high < settings.tau:
+            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance is below tau {settings.tau} "
+                            f"(bounds {low:.3f}..{high:.3f} over {count} tokens)")
+        elif low < settings.tau:
+            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance may be below tau "
+                            f"{settings.tau} (bounds {low:.3f}..{high:.3f} over {count} tokens; more top-K "
+                            f"log-probs per token (num_logprobs) tighten them)")
     return metrics, warnings
 
 
@@ -120,11 +133,18 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
 
 
 def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
-              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int, reference=None) -> dict:
+              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int, reference=None,
+              distill=None) -> dict:
     """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names; the list
-    `mismatch/warnings` names the length bins whose tail acceptance fell below tau)."""
+    `mismatch/warnings` names the length bins whose tail acceptance fell below tau).
+
+    With `distill` (a `sparrow.rl.distill.Distiller`), the recompute and the policy update run with its adapter
+    disabled, and after the policy step the adapter takes its own step (DistillSparse, `distill/...` metrics).
+    """
+    dense = distill.dense if distill is not None else contextlib.nullcontext
     n = settings.num_generations
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                              num_logprobs=settings.num_logprobs,
                               top_p=settings.top_p, seed=seed)
     model.eval()
     clock = time.perf_counter()
@@ -145,9 +165,9 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     device = next(model.parameters()).device
     batch = batch.to(device)
     advantages = advantages.to(device)
-    with torch.no_grad():
-        logp_old, lower = _recompute(model, batch, settings)
-    mismatch, warnings = mismatch_metrics(lower, batch.positions[batch.mask.bool()], settings)
+    with torch.no_grad(), dense():
+        logp_old, bounds = _recompute(model, batch, settings)
+    mismatch, warnings = mismatch_metrics(bounds, batch.positions[batch.mask.bool()], settings)
     logp_ref = None
     if settings.kl_coef > 0:
         if reference is None:
@@ -163,29 +183,31 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     model.train()
     order = torch.arange(len(completions))
     losses, grad_norms, clip_stats, kl_values = [], [], [], []
-    for mini in order.chunk(settings.mini_batches):
-        optimizer.zero_grad(set_to_none=True)
-        tokens = batch.mask[mini].sum()
-        for micro in _pieces(batch, mini, settings):
-            logp = _policy_logprobs(model, batch, micro, settings.temperature)
-            loss, stats = ppo_clip_loss(logp, logp_old[micro], advantages[micro], batch.mask[micro],
-                                        weights=weights[micro], clip_low=settings.clip_low,
-                                        clip_high=settings.clip_high, dual_clip=settings.dual_clip,
-                                        aggregation=settings.loss_aggregation)
-            if logp_ref is not None:
-                kl = kl_penalty(logp, logp_ref[micro], settings.kl_estimator)
-                kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
-                loss = loss + settings.kl_coef * kl
-                kl_values.append(float(kl.detach()))
-            share = (batch.mask[micro].sum() / tokens if settings.loss_aggregation == "token-mean"
-                     else torch.tensor(len(micro) / len(mini)))
-            (loss * share).backward()
-            losses.append(float(loss.detach() * share))
-            clip_stats.append(stats)
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)))
-        optimizer.step()
+    with dense():
+        for mini in order.chunk(settings.mini_batches):
+            optimizer.zero_grad(set_to_none=True)
+            tokens = batch.mask[mini].sum()
+            for micro in _pieces(batch, mini, settings):
+                logp = _policy_logprobs(model, batch, micro, settings.temperature)
+                loss, stats = ppo_clip_loss(logp, logp_old[micro], advantages[micro], batch.mask[micro],
+                                            weights=weights[micro], clip_low=settings.clip_low,
+                                            clip_high=settings.clip_high, dual_clip=settings.dual_clip,
+                                            aggregation=settings.loss_aggregation)
+                if logp_ref is not None:
+                    kl = kl_penalty(logp, logp_ref[micro], settings.kl_estimator)
+                    kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
+                    loss = loss + settings.kl_coef * kl
+                    kl_values.append(float(kl.detach()))
+                share = (batch.mask[micro].sum() / tokens if settings.loss_aggregation == "token-mean"
+                         else torch.tensor(len(micro) / len(mini)))
+                (loss * share).backward()
+                losses.append(float(loss.detach() * share))
+                clip_stats.append(stats)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)))
+            optimizer.step()
     model.eval()
     timing["time/update_s"] = time.perf_counter() - clock
+    distilled = distill.step(batch, logp_old, advantages, schedule, settings) if distill is not None else {}
 
     valid = batch.mask.bool()
     diff = (batch.rollout_logprobs - logp_old)[valid].abs()
@@ -217,4 +239,5 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         **timing,
         **mismatch,
         "mismatch/warnings": warnings,
+        **distilled,
     }

@@ -1,0 +1,266 @@
+"""DistillSparse (SPEC section 8): a LoRA adapter that is active only when the model acts as the sparse actor.
+
+The adapter is on for sparse rollouts (the RolloutEngine) and for the teacher-forced sparse forward of its own
+update. It is off (`Distiller.dense()`, peft's `disable_adapter`) for the dense recompute of pi_old, the dense
+policy update, the dense targets of the exact KL modes and the dense reference of the probes, so the dense policy
+is exactly what it would be without DistillSparse. After each dense policy step the base weights are frozen and
+the adapter takes one AdamW step on
+
+    L_LoRA = L_PPO_sparse + lambda * L_KL
+
+(see `Distiller.step`). `SwitchState` / `observe_probe` / `probe` decide when rollouts may move to a more
+aggressive schedule: once every length bin's 5th percentile of the exact acceptance, measured on held-out prompts
+under the candidate schedule, reaches tau on enough consecutive probes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparrow.attention import SparseConfig
+from sparrow.attention.teacher_forced import sparse_completion_logits
+from sparrow.errors import SparrowError
+from sparrow.metrics import tail_stats
+from sparrow.schedules import DENSE, Schedule
+
+from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
+from .losses import FULL_KL_DIRECTIONS, full_kl, kl_penalty, ppo_clip_loss
+
+DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
+ADAPTER_MARK = "lora_"
+
+
+def _check_number(option: str, value, ok, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise SparrowError(f"{option} must be a number {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """The adapter and its optimizer; the trainer options are `distill_<field>` (`distill_lambda` for kl_lambda).
+
+    lr: AdamW learning rate of the adapter (no weight decay); 1e-4 is a usual LoRA rate: a zero-initialized
+    low-rank update needs a far larger rate than full fine-tuning (1e-6 would leave it near zero). rank, alpha:
+    LoRA rank and scaling numerator (the release: alpha 16). targets: "all-linear" (every linear layer but the
+    output head, the release's choice) or comma-separated module names such as "q_proj,v_proj". dropout: LoRA
+    dropout. kl_lambda: weight of L_KL (the release: 0.001). kl: "k3" (the release's sampled-token estimator of
+    KL(sparse || dense)), "forward" (exact KL(dense || sparse)) or "reverse" (exact KL(sparse || dense)).
+    """
+
+    lr: float = 1e-4
+    rank: int = 8
+    alpha: float = 16.0
+    targets: str = "all-linear"
+    dropout: float = 0.0
+    kl_lambda: float = 0.001
+    kl: str = "k3"
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise SparrowError(f"distill_rank must be an integer >= 1, got {self.rank!r}")
+        _check_number("distill_lr", self.lr, lambda v: v > 0, "> 0")
+        _check_number("distill_alpha", self.alpha, lambda v: v > 0, "> 0")
+        _check_number("distill_lambda", self.kl_lambda, lambda v: v >= 0, ">= 0")
+        _check_number("distill_dropout", self.dropout, lambda v: 0 <= v < 1, "in [0, 1)")
+        if self.kl not in DISTILL_KL_MODES:
+            raise SparrowError(f"unknown distill_kl {self.kl!r}: expected one of {', '.join(DISTILL_KL_MODES)}")
+        if not isinstance(self.targets, str) or not self.target_modules():
+            raise SparrowError(f"distill_targets must be 'all-linear' or comma-separated module names such as "
+                               f"'q_proj,v_proj', got {self.targets!r}")
+
+    def target_modules(self) -> str | list[str]:
+        if self.targets.strip() == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.targets.split(",") if name.strip()]
+
+
+def adapter_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for name, p in model.named_parameters() if ADAPTER_MARK in name]
+
+
+def base_parameters(model) -> list[torch.nn.Parameter]:
+    """The policy's own parameters (everything but LoRA's): what the policy optimizer may hold."""
+    return [p for name, p in model.named_parameters() if ADAPTER_MARK not in name]
+
+
+def attach_adapter(model, cfg: DistillConfig, seed: int = 0):
+    """Wrap `model` in a peft LoRA model; its base weights stay trainable for the dense policy update.
+
+    peft's get_peft_model freezes the base; we unfreeze it, so give the policy optimizer `base_parameters` only.
+    The adapter's random init (A; B starts at zero) is drawn under `seed`, leaving the global RNG as it was.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=cfg.target_modules(),
+                      lora_dropout=cfg.dropout, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            peft_model = get_peft_model(model, lora)
+        except ValueError as err:
+            raise SparrowError(f"distill_targets {cfg.targets!r} do not fit the model: {err}") from None
+    for p in peft_model.parameters():
+        p.requires_grad_(True)
+    return peft_model
+
+
+def check_adapter_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        raise SparrowError(f"adapter {str(path)!r} is not a peft adapter directory: expected an adapter_config.json "
+                           "in it (as in <run>/checkpoint-N/adapter)")
+    return path
+
+
+def load_adapter(model, path: str | Path):
+    """`model` with the peft adapter saved in directory `path` (e.g. checkpoint-N/adapter), in eval mode."""
+    from peft import PeftModel
+
+    path = check_adapter_dir(path)
+    try:
+        return PeftModel.from_pretrained(model, str(path)).eval()
+    except (ValueError, RuntimeError, KeyError, OSError) as err:
+        raise SparrowError(f"adapter {str(path)!r} does not fit the model: {err}") from None
+
+
+def dense_context(model):
+    """What disables the adapter of a peft model (for `RolloutEngine(reference_context=...)`); None without one."""
+    return getattr(model, "disable_adapter", None)
+
+
+@contextlib.contextmanager
+def _frozen(params: list[torch.nn.Parameter]):
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+class Distiller:
+    """The adapter's optimizer and update, for a model returned by `attach_adapter` (or a loaded PeftModel)."""
+
+    def __init__(self, model, cfg: DistillConfig, sparse: SparseConfig | None = None):
+        self.model, self.cfg, self.sparse = model, cfg, sparse or SparseConfig()
+        self.params = adapter_parameters(model)
+        if not self.params or not hasattr(model, "disable_adapter"):
+            raise SparrowError("DistillSparse needs a model with a LoRA adapter: wrap it with attach_adapter first")
+        self.base = base_parameters(model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
+
+    def dense(self):
+        """Context in which the model is the dense policy alone (adapter disabled)."""
+        return self.model.disable_adapter()
+
+    def step(self, batch: RolloutBatch, logp_old: torch.Tensor, advantages: torch.Tensor, schedule: Schedule,
+             settings) -> dict:
+        """One adapter update on the step's rollouts, base weights frozen; returns `distill/...` metrics.
+
+        L_PPO_sparse is the clipped PPO loss with pi_theta = the teacher-forced sparse log-probs (adapter on, the
+        rollout `schedule`), pi_old = the rollout log-probs and the GRPO advantages. No TIS weight: the rollouts
+        were sampled by this very actor (before its update), so the old policy is the behaviour policy and the
+        PPO ratio already is the full importance ratio. L_KL (token mean) pulls the sparse actor toward the
+        dense policy: "k3" uses the dense `logp_old` of the recompute (pi_old, before this step's dense update)
+        and costs nothing extra; "forward"/"reverse" need full-vocabulary dense logits, so they run one extra
+        no-grad dense forward per piece (adapter off, after this step's dense update; the shared-prompt forward
+        of the recompute, logits at completion positions only). Rows run in the recompute's shared-prompt pieces,
+        the sparse forward too (`sparse_completion_logits`: each prompt's dense prefill once per piece);
+        accumulation and `max_grad_norm` as for the policy.
+        """
+        clock = time.perf_counter()
+        clip = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "dual_clip": settings.dual_clip,
+                "aggregation": settings.loss_aggregation}
+        rows = torch.arange(batch.input_ids.shape[0])
+        actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=self.sparse)
+        tokens = batch.mask.sum()
+        totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0}
+        diffs = []
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with _frozen(self.base):
+            for piece in shared_prompt_pieces(batch, rows, settings.micro_batch_size):
+                mask = batch.mask[piece]
+                valid = mask.bool()
+                logits, span = piece_logits(self.model, batch, piece, actor)
+                logp = piece_logprobs(logits, batch, piece, span, settings.temperature)
+                ppo, _ = ppo_clip_loss(logp, batch.rollout_logprobs[piece], advantages[piece], mask, **clip)
+                if self.cfg.kl == "k3":
+                    kl = kl_penalty(logp, logp_old[piece], "k3")[valid].mean()
+                else:
+                    with torch.no_grad(), self.dense():
+                        dense_logits, _ = piece_logits(self.model, batch, piece)
+                    inside = batch.mask[piece, span].bool()
+                    kl = full_kl(logits[inside], dense_logits[inside], self.cfg.kl, settings.temperature).mean()
+                loss = ppo + self.cfg.kl_lambda * kl
+                share = (mask.sum() / tokens if settings.loss_aggregation == "token-mean"
+                         else torch.tensor(len(piece) / len(rows)))
+                (loss * share).backward()
+                for name, value in (("loss", loss), ("ppo_loss", ppo), ("kl", kl)):
+                    totals[name] += float(value.detach() * share)
+                diffs.append((logp.detach() - logp_old[piece])[valid].abs())
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, settings.max_grad_norm))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # stale adapter grads must not reach the policy's grad clip
+        self.model.eval()
+        return {**{f"distill/{name}": value for name, value in totals.items()},
+                "distill/grad_norm": grad_norm,
+                "distill/logp_difference_mean": float(torch.cat(diffs).mean()),
+                "time/distill_s": time.perf_counter() - clock}
+
+
+@dataclass(frozen=True)
+class SwitchState:
+    """Where schedule switching stands: consecutive passing probes, and the step after which rollouts switched."""
+
+    streak: int = 0
+    switched_at: int | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.switched_at is not None
+
+    def to_json(self) -> dict:
+        return {"streak": self.streak, "switched_at": self.switched_at}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> SwitchState:
+        return cls(**(data or {}))
+
+
+def observe_probe(state: SwitchState, bin_p5: list[float], tau: float, patience: int, step: int) -> SwitchState:
+    """The state after a probe at `step` whose per-bin 5th percentiles are `bin_p5` (pure).
+
+    A probe passes when it has bins and every bin's p5 >= tau; a failing probe resets the streak. Rollouts switch
+    once `patience` consecutive probes pass; after that the state no longer changes.
+    """
+    if state.switched:
+        return state
+    streak = state.streak + 1 if bin_p5 and min(bin_p5) >= tau else 0
+    return SwitchState(streak, step if streak >= patience else None)
+
+
+def probe(engine, prompts: list, schedule: Schedule, sampling, num_samples: int,
+          bin_size: int) -> tuple[list[float], dict]:
+    """Exact acceptance of the current sparse actor under `schedule` against the dense policy on `prompts`.
+
+    The engine's reference decode must run without the adapter (`RolloutEngine(reference_context=...)`).
+    Returns the per-bin 5th percentiles (bins by total cached length) and `probe/...` metrics.
+    """
+    completions = engine.generate(prompts, sampling, schedule, num_samples, reference=DENSE)
+    alpha = torch.tensor([a for c in completions for a in c.acceptance], dtype=torch.float64)
+    positions = torch.tensor([len(c.prompt_token_ids) + i for c in completions for i in range(len(c.token_ids))])
+    stats = tail_stats(alpha, positions, bin_size)
+    metrics = {"probe/acceptance/p5": stats["overall"]["p5"], "probe/acceptance/mean": stats["overall"]["mean"]}
+    for b in stats["bins"]:
+        metrics[f"probe/bin_{b['start']}/acceptance_p5"] = b["p5"]
+        metrics[f"probe/bin_{b['start']}/acceptance_mean"] = b["mean"]
+    return [b["p5"] for b in stats["bins"]], metrics
