@@ -67,6 +67,23 @@ def test_bad_configs_stop_before_any_work(data, tmp_path, overrides, message):
         _config(overrides.pop("data", data), tmp_path / "x", **overrides).validate()
 
 
+@pytest.mark.parametrize("text, message", [
+    ("steps: [1\n", "is not valid YAML"),
+    ("stepz: 3\n", "unknown option(s) ['stepz']"),
+    ("steps: many\n", "steps is 'many'; expected an integer"),
+    ("learning_rate: fast\n", "learning_rate is 'fast'; expected a number"),
+    ("reward: [1, 2]\n", "reward is [1, 2]; expected a list of str"),
+])
+def test_a_malformed_config_file_stops_the_command_with_one_message(tmp_path, capsys, text, message):
+    from sparrow.cli import main
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(text)
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_the_train_command_reads_yaml_and_flags(data, tmp_path, capsys):
     from sparrow.cli import main
 
@@ -113,5 +130,5 @@ def test_the_gpu_example_config_names_only_known_options():
     import yaml
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    for path in ("examples/tiny.yaml", "examples/qwen3-1.7b-gpu.yaml"):
+    for path in ("examples/tiny.yaml", "examples/qwen3-1.7b-gpu.yaml", "examples/smollm2-passkey.yaml"):
         assert set(yaml.safe_load(open(path))) <= known, path

@@ -40,6 +40,27 @@ def _item_type(tp):
     return str
 
 
+def _check_yaml_value(name: str, value, tp, path: Path):
+    """A YAML value of the field's type (ints are accepted for floats); a SparrowError naming it otherwise."""
+    if value is None:
+        if type(None) in typing.get_args(tp):
+            return None
+        raise SparrowError(f"config file {str(path)!r}: {name} may not be empty (null)")
+    kind = _scalar_type(tp)
+    expected = {"bool": bool, "list": list, int: int, float: (int, float), str: str}.get(kind, str)
+    if kind == "list" and not isinstance(value, list):
+        value = [value]  # a single item where a list is expected
+    ok = isinstance(value, expected) and (kind in ("bool",) or not isinstance(value, bool))
+    if kind == "list":
+        item = _item_type(tp)
+        ok = all(isinstance(v, (int, float) if item is float else item) and not isinstance(v, bool) for v in value)
+    if not ok:
+        wanted = {"bool": "true or false", "list": f"a list of {_item_type(tp).__name__}", int: "an integer",
+                  float: "a number", str: "a string"}.get(kind, "a string")
+        raise SparrowError(f"config file {str(path)!r}: {name} is {value!r}; expected {wanted}")
+    return float(value) if kind is float else value
+
+
 def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[str, str] | None = None,
                        skip: tuple[str, ...] = ()) -> None:
     """Add `--config FILE` and one option per field of the dataclass `cls`."""
@@ -80,7 +101,8 @@ def load_config(cls, args: argparse.Namespace):
         unknown = sorted(set(loaded) - names)
         if unknown:
             raise SparrowError(f"config file {str(path)!r} has unknown option(s) {unknown}; known: {sorted(names)}")
-        values.update(loaded)
+        hints = typing.get_type_hints(cls)
+        values.update({name: _check_yaml_value(name, value, hints[name], path) for name, value in loaded.items()})
     for name in names:
         value = getattr(args, name, None)
         if value is not None:
