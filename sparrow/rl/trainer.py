@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +146,11 @@ class TrainConfig:
                             num_logprobs=self.num_logprobs)
 
 
-def train(config: TrainConfig, log=print) -> list[dict]:
+def _print(message: str) -> None:
+    print(message, flush=True)  # progress must show up at once also when stdout is a file
+
+
+def train(config: TrainConfig, log=_print) -> list[dict]:
     """Run (or resume) the configured steps; returns this invocation's per-step metrics."""
     config.validate()
     out = Path(config.output_dir)
@@ -210,7 +213,6 @@ def train(config: TrainConfig, log=print) -> list[dict]:
     board.close()
     write_report([out], out)
     log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
-    sys.stdout.flush()
     return history
 
 
