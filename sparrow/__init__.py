@@ -7,5 +7,15 @@ from sparrow.errors import SparrowError
 from sparrow.models import load_model
 from sparrow.schedules import DENSE, Schedule, parse_schedule
 
-__all__ = ["DENSE", "Completion", "RolloutEngine", "SamplingParams", "Schedule", "SparseConfig", "SparrowError",
-           "load_model", "parse_schedule", "sparse_forward"]
+__all__ = [
+    "DENSE",
+    "Completion",
+    "RolloutEngine",
+    "SamplingParams",
+    "Schedule",
+    "SparrowError",
+    "SparseConfig",
+    "load_model",
+    "parse_schedule",
+    "sparse_forward",
+]

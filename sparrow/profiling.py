@@ -44,7 +44,7 @@ class ScheduleSample:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path) -> "ScheduleSample":
+    def load(cls, path: Path) -> ScheduleSample:
         with np.load(path) as data:
             return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")})
 

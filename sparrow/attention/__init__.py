@@ -6,5 +6,13 @@ from .interface import AttentionContext, enable_sparse_attention
 from .kv_cache import KVCache
 from .selection import centroid_scores, quest_scores, select_pages
 
-__all__ = ["AttentionContext", "cpu_kernel", "KVCache", "SparseConfig", "centroid_scores", "enable_sparse_attention",
-           "quest_scores", "select_pages"]
+__all__ = [
+    "AttentionContext",
+    "KVCache",
+    "SparseConfig",
+    "centroid_scores",
+    "cpu_kernel",
+    "enable_sparse_attention",
+    "quest_scores",
+    "select_pages",
+]

@@ -37,7 +37,7 @@ class SparseConfig:
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
 
     @classmethod
-    def from_options(cls, page_size: int, landmark: str, dense_layers: str) -> "SparseConfig":
+    def from_options(cls, page_size: int, landmark: str, dense_layers: str) -> SparseConfig:
         """Build from command-line / YAML values, where dense layers are a comma-separated string like '0,1'."""
         try:
             layers = tuple(int(x) for x in str(dense_layers).split(",") if x.strip())

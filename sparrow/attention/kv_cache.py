@@ -132,7 +132,7 @@ class KVCache:
         self.landmarks = [[m.index_select(0, rows) for m in lm] for lm in self.landmarks]
         self.lengths = self.lengths.index_select(0, rows)
 
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         """An independent copy (used to run several decodes from one shared prefill)."""
         copy = object.__new__(KVCache)
         copy.__dict__.update(self.__dict__)

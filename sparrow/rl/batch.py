@@ -31,7 +31,7 @@ class RolloutBatch:
     positions: torch.Tensor  # [B, T-1] cached length when each generated token was produced
 
     @classmethod
-    def from_completions(cls, completions: list[Completion], pad_id: int = 0) -> "RolloutBatch":
+    def from_completions(cls, completions: list[Completion], pad_id: int = 0) -> RolloutBatch:
         if not completions:
             raise SparrowError("no completions to batch")
         if any(not c.token_ids for c in completions):
@@ -59,7 +59,7 @@ class RolloutBatch:
         lengths = torch.tensor([len(c.prompt_token_ids) for c in completions])
         return cls(ids, lengths, mask, logp, top_ids, top_lp, budget, positions)
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
 
 
