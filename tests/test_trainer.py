@@ -38,7 +38,18 @@ def test_two_steps_log_metrics_and_a_resumed_run_ends_with_the_same_parameters(d
     history = train(_config(data, full), log=lambda *_: None)
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] == [h["step"] for h in history]
-    assert {"reward/mean", "loss", "grad_norm", "sampling/importance_sampling_ratio/mean"} <= set(rows[0])
+    logged = {"reward/mean", "reward/std", "reward/frac_zero_std_groups", "completions/mean_length",
+              "completions/max_length", "completions/clipped_ratio", "loss", "clip_ratio", "clip_ratio/low_mean",
+              "clip_ratio/high_mean", "clip_ratio/dual_mean", "grad_norm", "learning_rate", "time/rollout_s",
+              "time/reward_s", "time/recompute_s", "time/update_s", "time/step_s", "rollout/tokens_per_s",
+              "rollout/kv_budget_mean", "sampling/importance_sampling_ratio/min",
+              "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max",
+              "sampling/importance_sampling_ratio/frac_truncated", "sampling/sampling_logp_difference/mean",
+              "sampling/sampling_logp_difference/max", "mismatch/acceptance_lower/p5",
+              "mismatch/acceptance_lower/mean", "mismatch/acceptance_upper/p5", "mismatch/acceptance_upper/mean",
+              "mismatch/bin_0/acceptance_lower_p5", "mismatch/bin_0/acceptance_upper_p5", "mismatch/warnings"}
+    assert all(logged <= set(r) for r in rows), logged - set(rows[0])
+    assert rows[0]["learning_rate"] == 1e-3
     assert sorted(p.name for p in full.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
     split = tmp_path / "split"
