@@ -63,6 +63,8 @@ def test_warnings_say_whether_a_bin_is_below_tau_or_only_may_be():
     assert len(warnings) == 2
     assert warnings[0].startswith("length bin [10, 20): 5th percentile of acceptance may be below tau 0.8")
     assert warnings[1].startswith("length bin [20, 30): 5th percentile of acceptance is below tau 0.8")
+    _, dense = mismatch_metrics(bounds, torch.arange(30), StepSettings(tau=0.8, bin_size=10), sparse=False)
+    assert dense == warnings[1:]  # dense rollouts: only certain shortfalls
 
 
 def test_flat_rewards_give_zero_advantages_and_leave_the_weights_unchanged():

@@ -102,9 +102,12 @@ def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torc
     return logp_old, bounds[batch.mask.bool()]
 
 
-def mismatch_metrics(bounds: torch.Tensor, positions: torch.Tensor, settings: StepSettings) -> tuple[dict, list[str]]:
+def mismatch_metrics(bounds: torch.Tensor, positions: torch.Tensor, settings: StepSettings,
+                     sparse: bool = True) -> tuple[dict, list[str]]:
     """Per length bin: the 5th percentile and mean of the acceptance lower and upper bounds ([N, 2]); a warning
-    for each bin whose tail is below tau (upper bound's p5 < tau) or may be (only the lower bound's is)."""
+    for each bin whose tail is below tau (upper bound's p5 < tau) or, for sparse rollouts, may be (only the lower
+    bound's is). Dense rollouts differ from the dense policy only by numerics, where the loose lower bound of a
+    flat distribution would warn for nothing."""
     metrics, warnings, tails = {}, [], {}
     for column, side in enumerate(("lower", "upper")):
         stats = tail_stats(bounds[:, column].cpu(), positions.cpu(), settings.bin_size)
@@ -118,7 +121,7 @@ def mismatch_metrics(bounds: torch.Tensor, positions: torch.Tensor, settings: St
         if high < settings.tau:
             warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance is below tau {settings.tau} "
                             f"(bounds {low:.3f}..{high:.3f} over {count} tokens)")
-        elif low < settings.tau:
+        elif low < settings.tau and sparse:
             warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance may be below tau "
                             f"{settings.tau} (bounds {low:.3f}..{high:.3f} over {count} tokens; more top-K "
                             f"log-probs per token (num_logprobs) tighten them)")
@@ -167,7 +170,8 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
     advantages = advantages.to(device)
     with torch.no_grad(), dense():
         logp_old, bounds = _recompute(model, batch, settings)
-    mismatch, warnings = mismatch_metrics(bounds, batch.positions[batch.mask.bool()], settings)
+    mismatch, warnings = mismatch_metrics(bounds, batch.positions[batch.mask.bool()], settings,
+                                          sparse=not schedule.is_dense)
     logp_ref = None
     if settings.kl_coef > 0:
         if reference is None:
