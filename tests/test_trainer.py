@@ -119,6 +119,18 @@ def test_the_tiny_example_config_runs(tmp_path):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_held_out_evaluation_runs_before_training_every_n_steps_and_at_the_end(data, tmp_path):
+    out = tmp_path / "eval"
+    train(_config(data, out, steps=3, eval_data=str(data), eval_every=2, eval_generations=2), log=lambda *_: None)
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 3]
+    assert all(0 <= r["eval/mean@2"] <= 1 and r["eval/samples_per_example"] == 2 for r in rows)
+    assert rows[0]["eval/mean@2"] != rows[-1]["eval/mean@2"]  # same samples' seed, changed policy
+    assert "held-out" in (out / "report.md").read_text() and (out / "heldout.png").stat().st_size > 1000
+    with pytest.raises(SparrowError, match="eval_data file 'nope.jsonl' does not exist"):
+        _config(data, tmp_path / "x", eval_data="nope.jsonl").validate()
+
+
 def test_report_compares_runs_with_plots(data, tmp_path):
     from sparrow.cli import main
 

@@ -47,6 +47,19 @@ def _plot_curves(runs: dict, keys: list[tuple[str, str]], path: Path, title: str
     plt.close(fig)
 
 
+def load_evals(run_dirs: list[Path]) -> dict[str, list[dict]]:
+    """Each run's eval.jsonl (held-out evaluations during training), with its mean@k under "eval/mean"."""
+    evals = {}
+    for run in run_dirs:
+        path = Path(run) / "eval.jsonl"
+        if path.is_file():
+            rows = [row for _, row in read_jsonl(path)]
+            for row in rows:
+                row["eval/mean"] = next(v for k, v in row.items() if k.startswith("eval/mean@"))
+            evals[Path(run).name] = rows
+    return evals
+
+
 def _median(rows: list[dict], key: str) -> float:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return median(values) if values else float("nan")
@@ -105,6 +118,13 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
                      f"{base_rollout / _median(rows, 'time/rollout_s'):.2f}x |")
+    evals = load_evals(run_dirs)
+    if evals:
+        _plot_curves(evals, [("eval/mean", "held-out mean reward")], out_dir / "heldout.png", "Held-out reward")
+        lines += ["", "Held-out reward (mean over samples) at the first and last evaluation:", ""]
+        lines += [f"- {name}: step {rows[0]['step']} {rows[0]['eval/mean']:.3f} -> step {rows[-1]['step']} "
+                  f"{rows[-1]['eval/mean']:.3f}" for name, rows in evals.items()]
+        lines += ["", "![held-out reward](heldout.png)"]
     lines += ["", "![reward and length](curves.png)"]
     lines += ["", "![time per phase](phases.png)"]
     if bin_keys:

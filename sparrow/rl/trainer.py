@@ -8,6 +8,7 @@ not, DistillSparse's schedule switch, is saved in the checkpoint's trainer state
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -21,6 +22,7 @@ from sparrow.attention import SparseConfig
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.evaluation import evaluate
 from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.schedules import parse_schedule
@@ -30,6 +32,7 @@ from .distill import DistillConfig, Distiller, SwitchState, attach_adapter, base
 from .report import write_report
 from .step import StepSettings, grpo_step
 
+_EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
 _PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
 
 
@@ -81,6 +84,10 @@ class TrainConfig:
     probe_prompts: int = 4
     probe_patience: int = 2
     probe_data: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 10
+    eval_generations: int = 4
+    eval_schedule: str = "dense"
     loss_aggregation: str = "token-mean"
     mini_batches: int = 1
     micro_batch_size: int = 4
@@ -117,6 +124,12 @@ class TrainConfig:
                                    "expected a more aggressive candidate")
         if self.probe_data is not None and self.switch_schedule is None:
             raise SparrowError("probe_data is only used by the switch probes; give switch_schedule as well")
+        if self.eval_data is not None and not Path(self.eval_data).is_file():
+            raise SparrowError(f"eval_data file {self.eval_data!r} does not exist")
+        for name in ("eval_every", "eval_generations"):
+            if getattr(self, name) < 1:
+                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        parse_schedule(self.eval_schedule, sparse.page_size, sparse.always_kept_pages)
         if self.probe_data is not None and not Path(self.probe_data).is_file():
             raise SparrowError(f"probe_data file {self.probe_data!r} does not exist")
 
@@ -185,6 +198,10 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
 
     board = SummaryWriter(str(out / "tensorboard"))
     rewards, settings, history = config.reward_functions(), config.settings(), []
+    held_out = (load_examples(DataSpec(config.eval_data, config.prompt_field, config.answer_field))
+                if config.eval_data is not None else None)
+    if held_out is not None and start == 0:
+        _evaluate(config, engine, distiller, held_out, rewards, 0, out, board, log)
     for step in range(start, config.steps):
         began = time.perf_counter()
         batch = [examples[i] for i in sampler.batch(step)]
@@ -206,6 +223,8 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
         distilled = f"  distill {metrics['distill/loss']:.4f}" if distiller else ""
         log(f"step {step + 1}/{config.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
             f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s")
+        if held_out is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            _evaluate(config, engine, distiller, held_out, rewards, step + 1, out, board, log)
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             save_checkpoint(out, step + 1, model, tokenizer, optimizer,
                             {"config": dataclasses.asdict(config), "switch": switch.to_json()}, config.keep_last,
@@ -214,6 +233,30 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
     write_report([out], out)
     log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
     return history
+
+
+def _evaluate(config: TrainConfig, engine: RolloutEngine, distiller, examples: list, rewards: list, step: int,
+              out: Path, board, log) -> None:
+    """Held-out mean@k / pass@k of the dense policy (adapter off) under `eval_schedule`, appended to eval.jsonl.
+
+    The sampling seed is the same at every evaluation, so successive rows differ by the policy, not the draw.
+    """
+    clock = time.perf_counter()
+    sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                              top_p=config.top_p, seed=_EVAL_SEED + config.seed)
+    schedule = parse_schedule(config.eval_schedule, engine.sparse.page_size, engine.sparse.always_kept_pages)
+    with distiller.dense() if distiller is not None else contextlib.nullcontext():
+        result = evaluate(engine, examples, rewards, schedule, sampling, config.eval_generations)
+    row = {"step": step, **{f"eval/{k}": v for k, v in result.items()}, "time/eval_s": time.perf_counter() - clock}
+    with open(out / "eval.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+    for name, value in row.items():
+        if name != "step" and isinstance(value, (int, float)):
+            board.add_scalar(name, value, step)
+    board.flush()
+    k = config.eval_generations
+    log(f"eval at step {step}: held-out mean@{k} {result[f'mean@{k}']:.3f}  pass@{k} {result[f'pass@{k}']:.3f}  "
+        f"({len(examples)} prompts, {row['time/eval_s']:.0f}s)")
 
 
 def _probe_split(config: TrainConfig, examples: list) -> tuple[list, list]:
