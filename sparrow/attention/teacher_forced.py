@@ -31,13 +31,14 @@ def sparse_forward(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
     return model(input_ids=input_ids, use_cache=False, **model_kwargs, **{CONTEXT_KEY: ctx})
 
 
-def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int, schedule: Schedule,
-                             sparse: SparseConfig | None = None) -> torch.Tensor:
-    """The sparse actor's logits [G, T - P, V] predicting tokens P .. T-1 of G right-padded sequences that share
-    their first P tokens: `sparse_forward` restricted to the completion positions, with the prompt's dense prefill
-    run once and its KV cache shared by the G rows (gradients flow through it, as in a full forward)."""
-    sparse = sparse or SparseConfig()
-    enable_sparse_attention(model)
+def shared_prompt_logits(model, input_ids: torch.Tensor, prompt_length: int, **continuation_kwargs) -> torch.Tensor:
+    """Logits [G, T - P, V] predicting tokens P .. T-1 of G right-padded sequences that share their first P tokens.
+
+    The prompt runs once, with the model's own dense attention (as the rollout's prefill did), and its KV cache
+    is repeated for the G rows; `continuation_kwargs` go to the completions' forward (e.g. a Sparrow attention
+    context). Gradients flow through the shared cache, so values and gradients equal those of G full forwards,
+    at the cost of one prompt per group; logits are computed only where tokens are predicted.
+    """
     g, length = input_ids.shape
     first = model(input_ids=input_ids[:1, :prompt_length], use_cache=True, logits_to_keep=1)
     logits = first.logits.expand(g, -1, -1)
@@ -45,12 +46,22 @@ def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int,
         return logits
     cache = first.cache
     cache.batch_repeat_interleave(g)
+    rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True, **continuation_kwargs)
+    return torch.cat([logits, rest.logits], dim=1)
+
+
+def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int, schedule: Schedule,
+                             sparse: SparseConfig | None = None) -> torch.Tensor:
+    """The sparse actor's `shared_prompt_logits`: `sparse_forward` restricted to the completion positions, the
+    prompt's dense prefill run once for the group."""
+    sparse = sparse or SparseConfig()
+    enable_sparse_attention(model)
+    g, length = input_ids.shape
     budget = None
     if not schedule.is_dense:
         schedule.validate(sparse.page_size, sparse.always_kept_pages)
         cached = torch.arange(prompt_length + 1, length, device=input_ids.device)
-        budget = (schedule.budget_for(cached) // sparse.page_size).expand(g, length - 1 - prompt_length)
+        budget = (schedule.budget_for(cached) // sparse.page_size).expand(g, -1)
     lengths = torch.full((g,), prompt_length, device=input_ids.device)
     ctx = AttentionContext("teacher_forced", sparse, budget_pages=budget, prompt_lengths=lengths)
-    rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True, **{CONTEXT_KEY: ctx})
-    return torch.cat([logits, rest.logits], dim=1)
+    return shared_prompt_logits(model, input_ids, prompt_length, **{CONTEXT_KEY: ctx})

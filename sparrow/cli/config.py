@@ -40,23 +40,30 @@ def _item_type(tp):
     return str
 
 
+def _matches(value, kind) -> bool:
+    """Whether a YAML value has the scalar type `kind` (int, float, str or "bool"); ints pass as floats and
+    booleans never pass as numbers."""
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
 def _check_yaml_value(name: str, value, tp, path: Path):
-    """A YAML value of the field's type (ints are accepted for floats); a SparrowError naming it otherwise."""
+    """A YAML value of the field's type (a single item where a list is expected becomes a list); a SparrowError
+    naming it otherwise."""
     if value is None:
         if type(None) in typing.get_args(tp):
             return None
         raise SparrowError(f"config file {str(path)!r}: {name} may not be empty (null)")
     kind = _scalar_type(tp)
-    expected = {"bool": bool, "list": list, int: int, float: (int, float), str: str}.get(kind, str)
-    if kind == "list" and not isinstance(value, list):
-        value = [value]  # a single item where a list is expected
-    ok = isinstance(value, expected) and (kind in ("bool",) or not isinstance(value, bool))
     if kind == "list":
-        item = _item_type(tp)
-        ok = all(isinstance(v, (int, float) if item is float else item) and not isinstance(v, bool) for v in value)
+        value = value if isinstance(value, list) else [value]
+        ok = all(_matches(v, _item_type(tp)) for v in value)
+    else:
+        ok = _matches(value, kind)
     if not ok:
         wanted = {"bool": "true or false", "list": f"a list of {_item_type(tp).__name__}", int: "an integer",
-                  float: "a number", str: "a string"}.get(kind, "a string")
+                  float: "a number"}.get(kind, "a string")
         raise SparrowError(f"config file {str(path)!r}: {name} is {value!r}; expected {wanted}")
     return float(value) if kind is float else value
 

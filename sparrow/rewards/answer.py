@@ -20,8 +20,7 @@ def first_number(text: str) -> str | None:
 def first_number_reward(prompts, completions, answer, **_) -> list[float]:
     """1.0 where the completion's first number equals the ground truth (compared as numbers), else 0.0."""
     scores = []
-    for completion, gold in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        found = first_number(text)
+    for completion, gold in zip(completions, answer, strict=True):
+        found = first_number(completion)
         scores.append(float(found is not None and float(found) == float(str(gold).replace(",", ""))))
     return scores

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.attention.teacher_forced import shared_prompt_logits
 from sparrow.engine import Completion
 from sparrow.errors import SparrowError
 
@@ -96,28 +97,10 @@ def shared_prompt_pieces(batch: RolloutBatch, rows: torch.Tensor, max_rows: int)
     return pieces
 
 
-def completion_logits(model, input_ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """Logits [G, T - P, V] predicting tokens P .. T-1 of G right-padded sequences that share their first P tokens.
-
-    The prompt runs once and its KV cache is repeated for the G rows, so a group costs one prompt plus G
-    completions instead of G prompts; gradients flow through the shared cache into the prompt's computation,
-    so losses and gradients equal those of G full forwards. Logits are computed only where tokens are predicted.
-    """
-    g, t = input_ids.shape
-    first = model(input_ids=input_ids[:1, :prompt_length], use_cache=True, logits_to_keep=1)
-    logits = first.logits.expand(g, -1, -1)
-    if t - 1 > prompt_length:
-        cache = first.cache
-        cache.batch_repeat_interleave(g)
-        rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True).logits
-        logits = torch.cat([logits, rest], dim=1)
-    return logits
-
-
 def piece_logits(model, batch: RolloutBatch, piece: torch.Tensor,
-                 forward=completion_logits) -> tuple[torch.Tensor, slice]:
-    """`forward(model, input_ids, prompt_length)` (dense `completion_logits` by default; the sparse actor's is
-    `sparrow.attention.teacher_forced.sparse_completion_logits`) for one piece, trimmed to its longest sequence,
+                 forward=shared_prompt_logits) -> tuple[torch.Tensor, slice]:
+    """`forward(model, input_ids, prompt_length)` (the dense `shared_prompt_logits` by default; the sparse
+    actor's is `sparse_completion_logits`) for one piece, trimmed to its longest sequence,
     and the slice of the [B, T-1] layout (mask, log-probs) its positions cover."""
     p = int(batch.prompt_lengths[piece[0]])
     end = int(batch.mask[piece].sum(dim=0).nonzero().max()) + 2

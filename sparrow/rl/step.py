@@ -85,7 +85,7 @@ def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torc
     """pi_old of the sampled tokens, and bounds [N, 2] (lower, upper) on each generated token's acceptance rate.
 
     The bounds come from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
-    full sparse distributions are not kept. Rows run in shared-prompt pieces (`completion_logits`), so each
+    full sparse distributions are not kept. Rows run in shared-prompt pieces (`shared_prompt_logits`), so each
     prompt is computed once per group.
     """
     logp_old = torch.zeros_like(batch.rollout_logprobs)

@@ -149,14 +149,8 @@ class TrainConfig:
         return [(name, load_reward(name), float(w)) for name, w in zip(names, weights)]
 
     def settings(self) -> StepSettings:
-        return StepSettings(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
-                            temperature=self.temperature, top_p=self.top_p, clip_low=self.clip_low,
-                            clip_high=self.clip_high, dual_clip=self.dual_clip, tis_mode=self.tis_mode,
-                            tis_cap=self.tis_cap, loss_aggregation=self.loss_aggregation,
-                            mini_batches=self.mini_batches, micro_batch_size=self.micro_batch_size,
-                            max_grad_norm=self.max_grad_norm, tau=self.tau, bin_size=self.bin_size,
-                            kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-                            num_logprobs=self.num_logprobs)
+        """The per-step settings: every StepSettings field comes from the option of the same name."""
+        return StepSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StepSettings)})
 
 
 def _print(message: str) -> None:
