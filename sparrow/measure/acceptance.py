@@ -1,0 +1,77 @@
+"""Exact acceptance of finished rollouts: alpha = sum_v min(p_sparse(v), p_dense(v)) for every generated token.
+
+Any backend's completions can be measured afterwards: their tokens are teacher-forced through our sparse forward
+(the decode's selection rule at every position, `sparse_completion_logits`) and our dense forward, both after
+temperature; a DistillSparse adapter is on for the sparse actor and off for the dense policy. `profile`, the
+DistillSparse probes and training-time monitoring all call `piece_acceptance` / `teacher_forced_acceptance`.
+
+`lockstep_acceptance` is the independent reference: it replays the tokens through our decode path, a sparse and
+a dense KV cache side by side, one token at a time. Tests hold the two equal; it is far slower.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sparrow.attention import SparseConfig
+from sparrow.attention.teacher_forced import sparse_completion_logits
+from sparrow.engine import Completion
+from sparrow.lora import without_adapter
+from sparrow.metrics import acceptance_rate
+from sparrow.rl.batch import RolloutBatch, piece_logits, shared_prompt_pieces
+from sparrow.schedules import Schedule
+
+
+def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: Schedule, sparse: SparseConfig,
+                     temperature: float, dense_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact acceptance [len(piece), T-1] of one shared-prompt piece (0 where `mask` is 0).
+
+    `dense_logits` (the dense forward of the same piece, e.g. the trainer's recompute) saves a forward."""
+    actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=sparse)
+    with torch.no_grad():
+        sparse_logits, span = piece_logits(model, batch, piece, actor)
+        if dense_logits is None:
+            with without_adapter(model):
+                dense_logits, _ = piece_logits(model, batch, piece)
+    valid = batch.mask[piece, span].bool()
+    out = torch.zeros(len(piece), batch.mask.shape[1], device=batch.mask.device)
+    window = out[:, span]
+    window[valid] = acceptance_rate(sparse_logits[valid], dense_logits[valid], temperature).to(out.device)
+    return out
+
+
+def teacher_forced_acceptance(model, completions: list[Completion], schedule: Schedule, sparse: SparseConfig,
+                              temperature: float, max_rows: int = 8, pad_id: int = 0) -> list[list[float]]:
+    """Per completion, the exact acceptance of each generated token under `schedule` against the dense policy."""
+    device = next(model.parameters()).device
+    batch = RolloutBatch.from_completions(completions, pad_id=pad_id).to(device)
+    alpha = torch.zeros_like(batch.mask)
+    for piece in shared_prompt_pieces(batch, torch.arange(len(completions)), max_rows):
+        alpha[piece] = piece_acceptance(model, batch, piece, schedule, sparse, temperature)
+    return [alpha[row][batch.mask[row].bool()].tolist() for row in range(len(completions))]
+
+
+@torch.no_grad()
+def lockstep_acceptance(engine, completion: Completion, schedule: Schedule, temperature: float) -> list[float]:
+    """The reference measurement: `completion`'s tokens fed one at a time through the engine's sparse and dense
+    decode (two caches), acceptance of each token from the two next-token distributions on the same prefix."""
+    from sparrow.schedules import DENSE
+
+    prompt, tokens = completion.prompt_token_ids, completion.token_ids
+    rows = torch.zeros(1, dtype=torch.long, device=engine.device)
+    caches = [engine.new_cache(1, len(prompt) + len(tokens)) for _ in range(2)]
+    with without_adapter(engine.model):
+        dense = engine.prefill(caches[1], prompt, rows)[None]
+    actor = engine.prefill(caches[0], prompt, rows)[None]
+    alphas = []
+    for i, token in enumerate(tokens):
+        alphas.append(float(acceptance_rate(actor, dense, temperature)[0]))
+        if i + 1 == len(tokens):
+            break
+        step = torch.tensor([token], device=engine.device)
+        actor, _ = engine.decode_step(caches[0], step, schedule)
+        with without_adapter(engine.model):
+            dense, _ = engine.decode_step(caches[1], step, DENSE)
+    return alphas
