@@ -3,6 +3,10 @@
 The cached length counts prompt plus generated tokens, including the token being decoded. A schedule raises the
 budget as the sequence grows so the tail acceptance rate stays roughly constant (SPEC section 4). Budgets include
 the always-kept pages (1 sink page + 2 most recent pages), so top-k pages = budget / page_size - 3.
+
+User schedules (`const:`, `steps:`, explicit pairs, files) give their bin starts in tokens. The published presets
+are keyed by page count as the release's planner keys them (`page_bin_starts`): bin i starts at cached length
+2000 i - 15, not 2000 i.
 """
 
 from __future__ import annotations
@@ -117,6 +121,16 @@ def steps(bin_size: int, budgets: list[int]) -> Schedule:
     return Schedule(name, tuple(i * bin_size for i in range(len(budgets))), tuple(budgets))
 
 
+def page_bin_starts(bin_pages: int, page_size: int, count: int) -> tuple[int, ...]:
+    """Token starts of `count` bins keyed by page count, as the release's planner keys its schedules.
+
+    With pages = ceil(length / page_size), bin i holds pages in [bin_pages * i, bin_pages * (i + 1)), so it
+    starts at the shortest length with bin_pages * i pages: (bin_pages * i - 1) * page_size + 1, bin 0 at 0.
+    For the presets (125 pages of 16 tokens) that is 2000 i - 15.
+    """
+    return (0,) + tuple((bin_pages * i - 1) * page_size + 1 for i in range(1, count))
+
+
 @functools.cache
 def _load_presets() -> dict[str, Schedule]:
     """The release's published schedules, read once from the packaged JSON (see its "about" field)."""
@@ -125,7 +139,7 @@ def _load_presets() -> dict[str, Schedule]:
     kept = data["sink_pages"] + data["local_pages"]
     presets = {}
     for name, topk in data["topk_pages"].items():
-        starts = tuple(i * bin_pages * page_size for i in range(len(topk)))
+        starts = page_bin_starts(bin_pages, page_size, len(topk))
         presets[name] = Schedule(name, starts, tuple(page_size * (v + kept) for v in topk))
     return presets
 

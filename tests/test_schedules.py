@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from sparrow.schedules import (
     PRESETS,
     Schedule,
     const,
+    page_bin_starts,
     parse_schedule,
     preset_names,
     steps,
@@ -49,7 +52,19 @@ EXPECTED = {
                      + [16384] * 4,
     "qwen3-14b-0.86": [512, 768, 1280, 2048, 4096] + [6144] * 10 + [8192, 10240, 10240, 14336, 14336],
 }
-STARTS = tuple(i * 2000 for i in range(20))
+# The release keys bins by ceil(cached_len / 16) pages, 125 pages a bin: bin i starts at 2000 i - 15.
+STARTS = (0,) + tuple(2000 * i - 15 for i in range(1, 20))
+JSON_PATH = Path(schedules.__file__).parent / "data" / "sparrow_schedules.json"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _release_budget(topk: list[int], cached_len: int) -> int:
+    """The release planner's rule, written independently: blocks = ceil(len / 16), bin i while 125 i <= blocks."""
+    blocks = math.ceil(cached_len / 16)
+    i = 0
+    while i + 1 < len(topk) and 125 * (i + 1) <= blocks:
+        i += 1
+    return 16 * (topk[i] + 1 + 2)
 
 
 def test_preset_4b_086_matches_spec():
@@ -68,9 +83,33 @@ def test_every_preset_matches_published_values(name):
     assert parse_schedule(name) is schedule
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_preset_matches_the_release_planner_at_every_length(name):
+    """Over cached lengths 1..45,000 the preset gives the release's budget; 2000 i would get 15 lengths per
+    budget change wrong (60 to 165 per preset)."""
+    topk = json.loads(JSON_PATH.read_text())["topk_pages"][name]
+    lengths = list(range(1, 45_001))
+    release = [_release_budget(topk, n) for n in lengths]
+    assert PRESETS[name].budget_for(torch.tensor(lengths)).tolist() == release
+    starts = PRESETS[name].starts
+    edges = [n for s in starts[1:] for n in (s - 1, s, s + 1)]
+    assert [PRESETS[name].budget_at(n) for n in edges] == [release[n - 1] for n in edges]
+    by_2000 = Schedule("old", tuple(2000 * i for i in range(20)), PRESETS[name].budgets)
+    wrong = sum(a != b for a, b in zip(by_2000.budget_for(torch.tensor(lengths)).tolist(), release))
+    changes = sum(a != b for a, b in zip(EXPECTED[name], EXPECTED[name][1:]))
+    assert wrong == 15 * changes and 60 <= wrong <= 165
+
+
+def test_the_issue_example_and_page_bin_starts():
+    assert PRESETS["qwen3-1.7b-0.92"].budget_at(1985) == 128 * 16 and PRESETS["qwen3-1.7b-0.92"].budget_at(1984) == 1024
+    assert page_bin_starts(125, 16, 3) == (0, 1985, 3985)
+    assert page_bin_starts(2, 4, 3) == (0, 5, 13)       # ceil(5 / 4) = 2 pages, ceil(13 / 4) = 4 pages
+    assert page_bin_starts(125, 16, 1) == (0,)
+
+
 def test_presets_agree_with_packaged_json():
     """Loader follows the JSON's own encoding: 20 names, budget = 16 * (topk + 1 sink + 2 local)."""
-    data = json.loads((Path(schedules.__file__).parent / "data" / "sparrow_schedules.json").read_text())
+    data = json.loads(JSON_PATH.read_text())
     assert preset_names() == list(data["topk_pages"]) == list(PRESETS)
     assert len(preset_names()) == 20 and set(preset_names()) == set(EXPECTED)
     for name, topk in data["topk_pages"].items():
@@ -81,12 +120,12 @@ def test_presets_agree_with_packaged_json():
 
 def test_budget_for_bin_edges():
     schedule = PRESETS["qwen3-4b-0.86"]
-    lengths = torch.tensor([[1, 1999, 2000, 2001], [3999, 4000, 35999, 36000], [39999, 40000, 10**6, 0]])
+    lengths = torch.tensor([[1, 1984, 1985, 2000], [3984, 3985, 35984, 35985], [39999, 40000, 10**6, 0]])
     out = schedule.budget_for(lengths)
     assert out.dtype == torch.int64 and out.shape == lengths.shape and out.device == lengths.device
     assert out.tolist() == [[512, 512, 768, 768], [768, 1024, 6144, 8192], [8192, 8192, 8192, 512]]
-    assert schedule.budget_for(torch.tensor([1999, 2000], dtype=torch.int32)).tolist() == [512, 768]
-    assert [schedule.budget_at(n) for n in (1, 1999, 2000, 38000, 10**6)] == [512, 512, 768, 8192, 8192]
+    assert schedule.budget_for(torch.tensor([1984, 1985], dtype=torch.int32)).tolist() == [512, 768]
+    assert [schedule.budget_at(n) for n in (1, 1984, 1985, 37985, 10**6)] == [512, 512, 768, 8192, 8192]
 
 
 def test_budget_for_matches_budget_at_everywhere():
@@ -240,7 +279,7 @@ def test_cli_show_json(capsys):
 
     assert main(["schedule", "show", "qwen3-4b-0.86", "--json"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out) == [{"start": 2000 * i, "kv_budget": b} for i, b in enumerate(EXPECTED["qwen3-4b-0.86"])]
+    assert json.loads(out) == [{"start": s, "kv_budget": b} for s, b in zip(STARTS, EXPECTED["qwen3-4b-0.86"])]
     assert main(["schedule", "show", "dense", "--json"]) == 0
     assert capsys.readouterr().out.strip() == "[]"
 
@@ -255,6 +294,24 @@ def test_cli_show_table(capsys):
     assert lines[3].split() == ["1", "1000", "...", "512", "29"]
     assert main(["schedule", "show", "const:128", "--page-size", "32"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].split() == ["0", "0", "...", "128", "1"]
+    assert main(["schedule", "show", "qwen3-1.7b-0.92"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows[:2] == [["0", "0", "1985", "1024", "61"], ["1", "1985", "3985", "2048", "125"]]
+    assert rows[-1] == ["19", "37985", "...", "8192", "509"]
+
+
+def test_readme_lists_the_published_presets():
+    """The README's preset bullet names every model and target of the JSON, and no other."""
+    text = README.read_text(encoding="utf-8")
+    bullet = text[text.index("- a published preset"):]
+    bullet = " ".join(bullet[:bullet.index("\n- ")].split())
+    targets: dict[str, list[str]] = {}
+    for name in json.loads(JSON_PATH.read_text())["topk_pages"]:
+        model, target = name.rsplit("-", 1)
+        targets.setdefault(model, []).append(target)
+    listed = dict(re.findall(r"`(qwen3-[\d.]+b)` at ([\d., ]+\d)", bullet))
+    assert {m: v.split(", ") for m, v in listed.items()} == targets
+    assert "2000 i - 15" in bullet
 
 
 def test_cli_errors(capsys):
