@@ -1,4 +1,5 @@
-"""GRPO loss pieces against hand-computed values: advantages, TIS weights, PPO-clip with dual clip, KL estimators."""
+"""GRPO loss pieces against hand-computed values and verl's / TRL's formulas: advantages, TIS weights, PPO-clip with
+dual clip, KL estimators, the registries a config chooses from."""
 
 import math
 
@@ -8,11 +9,15 @@ import torch
 from sparrow.errors import SparrowError
 from sparrow.rl.losses import (
     ADVANTAGE_ESTIMATORS,
+    GROUP_STDS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
     TIS_MODES,
+    compute_advantages,
     grpo_advantages,
     kl_penalty,
+    policy_loss,
     ppo_clip_loss,
     tis_stats,
     tis_weights,
@@ -30,31 +35,78 @@ def _close(actual, expected, tol=1e-9):
 
 
 def test_registries_list_the_names_a_config_may_use():
-    assert tuple(ADVANTAGE_ESTIMATORS) == ("grpo", "dr_grpo")
+    assert tuple(ADVANTAGE_ESTIMATORS) == ("grpo", "dr_grpo", "rloo")
+    assert tuple(GROUP_STDS) == ("sample", "population")
+    assert tuple(POLICY_LOSSES) == ("ppo_clip",)
     assert tuple(TIS_MODES) == ("truncate", "mask", "off")
     assert tuple(LOSS_AGGREGATIONS) == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     assert tuple(KL_ESTIMATORS) == ("k1", "k2", "k3")
 
 
 # --- advantages ---------------------------------------------------------------------------------------------------
-
-def test_grpo_advantages_normalize_per_group_and_zero_a_constant_group():
-    adv = grpo_advantages(_t([[1, 0, 1, 0], [1, 1, 1, 1]]))
-    a = 0.5 / (0.5 + 1e-6)        # mean 0.5, population std 0.5
-    _close(adv, [[a, -a, a, -a], [0, 0, 0, 0]], tol=1e-12)
+# Reference formulas, written out as verl (core_algos.compute_grpo_outcome_advantage / compute_rloo_outcome_advantage)
+# and TRL (GRPOTrainer._generate_and_score_completions) compute them, group by group.
+REWARDS = [[1.0, 0.0], [0.3, 0.9], [1.0, 0.0, 0.0, 1.0], [0.2, 0.5, 0.5, 0.9], [0.0, 0.0, 0.0, 0.0, 1.0]]
 
 
-def test_grpo_advantages_use_the_population_std():
-    adv = grpo_advantages(_t([[0, 1, 2]]), eps=0.0)
-    s = math.sqrt(2 / 3)          # unbiased=False; the unbiased std would be 1.0
-    _close(adv, [[-1 / s, 0, 1 / s]], tol=1e-12)
+def _verl_grpo(scores, eps=1e-6, norm_adv_by_std_in_grpo=True):
+    scores = torch.tensor(scores, dtype=D)
+    centered = scores - torch.mean(scores)
+    return (centered / (torch.std(scores) + eps) if norm_adv_by_std_in_grpo else centered).tolist()
 
 
-def test_dr_grpo_only_centers_and_a_float_constant_group_is_exactly_zero():
-    adv = grpo_advantages(_t([[1, 0, 1, 0], [0.1, 0.1, 0.1, 0.1]]), scale="none")
-    _close(adv, [[0.5, -0.5, 0.5, -0.5], [0, 0, 0, 0]], tol=1e-15)
-    assert torch.equal(ADVANTAGE_ESTIMATORS["dr_grpo"](_t([[1, 0, 1, 0]])), _t([[0.5, -0.5, 0.5, -0.5]]))
-    assert (adv[1] == 0).all()
+def _trl(rewards, num_generations, scale_rewards=True):
+    rewards = torch.tensor(rewards, dtype=D).flatten()
+    mean = rewards.view(-1, num_generations).mean(dim=1).repeat_interleave(num_generations)
+    std = rewards.view(-1, num_generations).std(dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    return (advantages / (std + 1e-4) if scale_rewards else advantages).view(-1, num_generations).tolist()
+
+
+def _verl_rloo(scores):
+    scores, n = torch.tensor(scores, dtype=D), len(scores)
+    return (scores * n / (n - 1) - torch.mean(scores) * n / (n - 1)).tolist()
+
+
+@pytest.mark.parametrize("group", REWARDS)
+def test_grpo_default_is_verls_sample_std(group):
+    expected = _verl_grpo(group)
+    _close(compute_advantages(_t([group])), [expected], tol=1e-12)
+    _close(compute_advantages(_t([group]), "grpo", std="sample"), [expected], tol=1e-12)
+    _close(grpo_advantages(_t([group])), [expected], tol=1e-12)
+
+
+def test_grpo_matches_trl_with_trls_eps_over_several_groups():
+    for n in (2, 4):
+        groups = [g for g in REWARDS if len(g) == n]
+        _close(compute_advantages(_t(groups), eps=1e-4), _trl(groups, n), tol=1e-12)
+        _close(compute_advantages(_t(groups), "dr_grpo"), _trl(groups, n, scale_rewards=False), tol=1e-12)
+
+
+def test_sample_std_changes_small_groups_and_population_is_an_option():
+    _close(compute_advantages(_t([[1, 0]]), eps=0.0), [[math.sqrt(0.5), -math.sqrt(0.5)]], tol=1e-12)  # std 0.707
+    _close(compute_advantages(_t([[1, 0]]), std="population", eps=0.0), [[1, -1]], tol=1e-12)           # std 0.5
+    s = math.sqrt(2 / 3)
+    _close(compute_advantages(_t([[0, 1, 2]]), std="population", eps=0.0), [[-1 / s, 0, 1 / s]], tol=1e-12)
+    _close(compute_advantages(_t([[0, 1, 2]]), eps=0.0), [[-1, 0, 1]], tol=1e-12)
+
+
+@pytest.mark.parametrize("group", REWARDS)
+def test_dr_grpo_and_rloo_match_verl(group):
+    _close(compute_advantages(_t([group]), "dr_grpo"), [_verl_grpo(group, norm_adv_by_std_in_grpo=False)],
+           tol=1e-12)
+    rloo = compute_advantages(_t([group]), "rloo")
+    _close(rloo, [_verl_rloo(group)], tol=1e-12)
+    others = [(sum(group) - r) / (len(group) - 1) for r in group]
+    _close(rloo, [[r - o for r, o in zip(group, others)]], tol=1e-12)
+    assert torch.equal(compute_advantages(_t([group]), "rloo", std="population"), rloo)  # std is grpo's option
+
+
+@pytest.mark.parametrize("estimator", list(ADVANTAGE_ESTIMATORS))
+def test_constant_groups_and_groups_of_one_get_exactly_zero(estimator):
+    adv = compute_advantages(_t([[1, 0, 1, 0], [0.1, 0.1, 0.1, 0.1]]), estimator)
+    assert (adv[1] == 0).all() and (adv[0] != 0).all()
+    assert torch.equal(compute_advantages(_t([[0.3], [1.0]]), estimator), torch.zeros(2, 1, dtype=D))
 
 
 # --- truncated importance sampling --------------------------------------------------------------------------------
@@ -170,6 +222,27 @@ def test_kl_estimators_by_hand():
     _close(kl_penalty(logp, ref, "k3"), [1 - math.log(2)], tol=1e-12)    # 2 - log 2 - 1
 
 
+def _verl_low_var_kl(logprob, ref_logprob):
+    """verl core_algos.kl_penalty(..., "low_var_kl"), verbatim in formula."""
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def test_k3_is_clamped_as_verl_clamps_it():
+    assert kl_penalty(_t([0.0]), _t([5.0])).item() == 10.0 == _verl_low_var_kl(_t([0.0]), _t([5.0])).item()
+    assert kl_penalty(_t([5.0]), _t([0.0])).item() == pytest.approx(math.exp(-5) + 4)   # e^-5 - (-5) - 1
+    x = torch.linspace(-30, 30, 601, dtype=D)
+    logp = torch.zeros_like(x)
+    _close(kl_penalty(logp, x), _verl_low_var_kl(logp, x).tolist(), tol=1e-12)
+    _close(kl_penalty(_t([0.0, 0.0]), _t([-5.0, 1.0])), [math.exp(-5) + 4, math.e - 2], tol=1e-12)
+
+
+def test_a_clamped_k3_token_has_no_gradient():
+    logp = _t([0.0, 0.0], requires_grad=True)
+    kl_penalty(logp, _t([5.0, 1.0])).sum().backward()
+    _close(logp.grad, [0.0, 1 - math.e], tol=1e-12)                      # d/dlogp (e^x - x - 1) = 1 - e^x
+
+
 def test_k3_is_non_negative_and_zero_at_equality():
     g = torch.Generator().manual_seed(0)
     logp, ref = torch.randn(1000, generator=g) * 3, torch.randn(1000, generator=g) * 3
@@ -177,6 +250,13 @@ def test_k3_is_non_negative_and_zero_at_equality():
     near = logp + torch.randn(1000, generator=g) * 1e-7
     assert (kl_penalty(logp, near) >= 0).all()
     assert (kl_penalty(logp, logp) == 0).all()
+
+
+def test_policy_loss_by_name_is_the_registered_loss():
+    logp, logp_old, adv, mask = _ppo_inputs()
+    by_name = policy_loss("ppo_clip", logp, logp_old, adv.unsqueeze(0), mask, dual_clip=None, clip_high=0.2)
+    direct = ppo_clip_loss(logp, logp_old, adv.unsqueeze(0), mask, dual_clip=None, clip_high=0.2)
+    assert by_name[0].item() == direct[0].item() and by_name[1] == direct[1]
 
 
 # --- validation ---------------------------------------------------------------------------------------------------
@@ -189,10 +269,15 @@ def _ppo(**kw):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: grpo_advantages(torch.ones(4)), r"shape \(4,\).*\[num_groups, group_size\]"),
-    (lambda: grpo_advantages(torch.ones(2, 4), scale="bogus"), r"'bogus'.*'std', 'none'"),
-    (lambda: grpo_advantages(torch.ones(2, 4), eps=-1.0), r"eps -1.0.*>= 0"),
-    (lambda: grpo_advantages(torch.tensor([[1.0, float("nan")]])), r"NaN.*finite"),
+    (lambda: compute_advantages(torch.ones(4)), r"shape \(4,\).*\[num_groups, group_size\]"),
+    (lambda: compute_advantages(torch.ones(2, 4), "ppo"),
+     r"unknown advantage estimator 'ppo': expected one of 'grpo', 'dr_grpo', 'rloo'"),
+    (lambda: compute_advantages(torch.ones(2, 4), std="unbiased"),
+     r"unknown group std 'unbiased': expected one of 'sample', 'population'"),
+    (lambda: compute_advantages(torch.ones(2, 4), eps=-1.0), r"eps -1.0.*>= 0"),
+    (lambda: compute_advantages(torch.tensor([[1.0, float("nan")]])), r"NaN.*finite"),
+    (lambda: policy_loss("vanilla", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1)),
+     r"unknown policy loss 'vanilla': expected one of 'ppo_clip'"),
     (lambda: tis_weights(torch.zeros(3), torch.zeros(4)), r"logp_old \(3,\), logp_rollout \(4,\)"),
     (lambda: tis_weights(torch.zeros(3), torch.zeros(3), mode="clip"), r"'clip'.*'truncate', 'mask', 'off'"),
     (lambda: tis_weights(torch.zeros(3), torch.zeros(3), cap=0.0), r"cap 0.0.*> 0"),

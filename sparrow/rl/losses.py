@@ -4,22 +4,20 @@
     r_t = pi_theta / pi_old
 
 `pi_rollout` is the sparse actor that sampled the tokens, `pi_old` the dense policy's recomputed log-prob of the
-same tokens. Every choice a config makes (advantage estimator, TIS mode, loss aggregation, KL estimator, the
-full-vocabulary KL direction of DistillSparse) is looked up by name in a registry dict, so a config can be
-validated against `tuple(REGISTRY)` before a run starts.
+same tokens. Every choice a config makes (advantage estimator and its group std, policy loss, TIS mode, loss
+aggregation, KL estimator, the full-vocabulary KL direction of DistillSparse) is looked up by name in a registry
+dict, so a config can be validated against `tuple(REGISTRY)` before a run starts.
 Log-probs are per token, shape [B, T]; `mask` marks valid (response) tokens with 1/True.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from sparrow.errors import SparrowError
 
-ADVANTAGE_SCALES = ("std", "none")
 _MAX_LOG_RATIO = 20.0
+_MAX_K3 = 10.0
 
 
 def _check_name(name: str, known, what: str) -> None:
@@ -56,14 +54,8 @@ def _check_cap(cap: float) -> None:
         raise SparrowError(f"TIS cap {cap!r} is invalid: expected a value > 0")
 
 
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "std") -> torch.Tensor:
-    """Group-normalized advantages for rewards [num_groups, group_size] (one group = the n rollouts of a prompt).
-
-    scale "std": (r - group mean) / (group std + eps), with the population std (unbiased=False);
-    scale "none": r - group mean only (Dr.GRPO, which drops the std to avoid favouring low-variance prompts).
-    Groups whose rewards are all equal carry no signal and get advantage exactly 0.
-    """
-    _check_name(scale, ADVANTAGE_SCALES, "advantage scale")
+def _group_rewards(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rewards [num_groups, group_size] as float, checked."""
     if rewards.dim() != 2:
         raise SparrowError(f"rewards have shape {tuple(rewards.shape)}: expected [num_groups, group_size]")
     if not eps >= 0:
@@ -71,17 +63,51 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "std"
     rewards = _as_float(rewards)
     if not bool(torch.isfinite(rewards).all()):
         raise SparrowError("rewards contain NaN or inf: expected finite rewards")
+    return rewards
+
+
+def _adv_grpo(rewards: torch.Tensor, std: str, eps: float) -> torch.Tensor:
     centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale == "std":
-        centered = centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centered / (rewards.std(dim=1, correction=GROUP_STDS[std], keepdim=True) + eps)
+
+
+def _adv_dr_grpo(rewards: torch.Tensor, std: str, eps: float) -> torch.Tensor:
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def _adv_rloo(rewards: torch.Tensor, std: str, eps: float) -> torch.Tensor:
+    n = rewards.shape[1]
+    return (rewards - rewards.mean(dim=1, keepdim=True)) * (n / (n - 1))
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": _adv_grpo, "dr_grpo": _adv_dr_grpo, "rloo": _adv_rloo}
+GROUP_STDS = {"sample": 1, "population": 0}
+
+
+def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std: str = "sample",
+                       eps: float = 1e-6) -> torch.Tensor:
+    """Per-rollout advantages [P, n] from rewards [P, n] (one group = the n rollouts of a prompt), as verl names them.
+
+    "grpo": (r - group mean) / (group std + eps); `std` "sample" is the Bessel-corrected std (n - 1), as verl,
+    TRL and so the authors' release use, "population" divides by n (our default before; it gives larger
+    advantages for small n, e.g. by sqrt(2) at n = 2). "dr_grpo": r - group mean (Dr. GRPO, verl's
+    norm_adv_by_std_in_grpo=False). "rloo": r minus the mean of the group's other rewards, n / (n - 1) (r - mean).
+    `std` applies to grpo only. Groups whose rewards are all equal (a group of one included) carry no signal and
+    get exactly 0, where verl would divide float noise by eps (and use mean 0, std 1 for a group of one).
+    """
+    _check_name(estimator, ADVANTAGE_ESTIMATORS, "advantage estimator")
+    _check_name(std, GROUP_STDS, "group std")
+    rewards = _group_rewards(rewards, eps)
     constant = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(centered), centered)
+    if bool(constant.all()):
+        return torch.zeros_like(rewards)
+    advantages = ADVANTAGE_ESTIMATORS[estimator](rewards, std, eps)
+    return torch.where(constant, torch.zeros_like(advantages), advantages)
 
 
-ADVANTAGE_ESTIMATORS = {
-    "grpo": grpo_advantages,
-    "dr_grpo": partial(grpo_advantages, scale="none"),
-}
+def grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """compute_advantages with the defaults (grpo, sample std); kept only until rl/step.py calls compute_advantages."""
+    return compute_advantages(rewards)
 
 
 def _tis_truncate(ratio: torch.Tensor, cap: float) -> torch.Tensor:
@@ -206,6 +232,16 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
     return total, metrics
 
 
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss}
+
+
+def policy_loss(name: str, logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, **options) -> tuple[torch.Tensor, dict]:
+    """The policy loss registered as `name` (see POLICY_LOSSES), called with the loss's own keyword options."""
+    _check_name(name, POLICY_LOSSES, "policy loss")
+    return POLICY_LOSSES[name](logp, logp_old, advantages, mask, **options)
+
+
 def _kl_k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     return logp - logp_ref
 
@@ -215,8 +251,8 @@ def _kl_k2(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
 
 
 def _kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    x = logp_ref - logp
-    return (torch.expm1(x) - x).clamp(min=0.0)
+    x = (logp_ref - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (torch.expm1(x) - x).clamp(0.0, _MAX_K3)
 
 
 KL_ESTIMATORS = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
@@ -226,7 +262,10 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3") -> 
     """Per-token estimate of KL(pi_theta || pi_ref) from sampled-token log-probs, for a KL-to-reference term.
 
     k1 = logp - logp_ref (unbiased, can be negative); k2 = 0.5 (logp - logp_ref)^2;
-    k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (unbiased and non-negative; computed with expm1).
+    k3 = exp(x) - x - 1 with x = logp_ref - logp (unbiased and non-negative; computed with expm1), clamped as
+    verl's "low_var_kl" and the release clamp it: x to [-20, 20], the value to at most 10 (verl's [-10, 10]; k3
+    is never negative). Without the clamp one token with x = 5 gives 142 and can dominate DistillSparse's KL
+    term; a clamped token has zero gradient.
     """
     _check_name(kind, KL_ESTIMATORS, "KL estimator")
     _check_same_shape(logp=logp, logp_ref=logp_ref)
