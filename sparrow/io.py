@@ -1,10 +1,17 @@
-"""Small file helpers shared by the commands: atomic writes and JSONL reading with line numbers."""
+"""Small file helpers shared by the commands: atomic writes, durable JSONL appends, JSONL reading with line numbers.
+
+Files that a run appends to (metrics.jsonl, eval.jsonl) can end in a torn line when the run is killed during a
+write; `parse_jsonl` recognises one (the last line, without its newline, not a JSON object) so that readers of
+such logs can skip it and the trainer can cut it off on resume.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from sparrow.errors import SparrowError
@@ -16,8 +23,21 @@ def _umask() -> int:
     return mask
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Force a directory's entries (a rename into it) to disk; a no-op where the filesystem cannot sync directories."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` so that a reader never sees a partial file (temp file + rename)."""
+    """Write `text` to `path` so that a reader never sees a partial file, also after a crash: temp file, fsync,
+    rename, fsync of the directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -31,6 +51,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return path
 
 
@@ -38,22 +59,59 @@ def atomic_write_json(path: str | os.PathLike, data) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
-def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-empty line; a line that is not a JSON object is an error naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise SparrowError(f"file {str(path)!r} does not exist")
+def append_jsonl(path: str | os.PathLike, row: dict) -> None:
+    """Append `row` as one complete line in one write and force it to disk before returning, so that a kill
+    leaves at most a torn last line (which `parse_jsonl` recognises) and a written row survives a crash."""
+    data = memoryview((json.dumps(row) + "\n").encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_jsonl(text: str, name: str, torn_tail_ok: bool = False) -> tuple[list[tuple[int, dict]], int | None]:
+    """(line number, object) for every non-empty line of `text`, and the number of a torn last line that was
+    skipped (None if there was none). A line that is not a JSON object is an error naming `name` and the line;
+    with `torn_tail_ok` the last line is skipped instead when it also lacks its newline (a write cut short)."""
+    lines = text.splitlines()
+    torn_tail = torn_tail_ok and not text.endswith("\n")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
+            problem = None if isinstance(row, dict) else "expected a JSON object"
         except json.JSONDecodeError as err:
-            raise SparrowError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise SparrowError(f"{path}:{number}: expected a JSON object")
-        rows.append((number, row))
+            problem = f"not valid JSON ({err.msg})"
+        if problem is None:
+            rows.append((number, row))
+        elif torn_tail and number == len(lines):
+            return rows, number
+        else:
+            raise SparrowError(f"{name}:{number}: {problem}")
+    return rows, None
+
+
+def read_jsonl(path: str | os.PathLike, torn_tail_ok: bool = False) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-empty line; a line that is not a JSON object is an error naming it.
+
+    `torn_tail_ok` is for logs a run appends to: a torn last line is skipped with a warning instead.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SparrowError(f"file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise SparrowError(f"file {str(path)!r} is not UTF-8 text (byte {err.start}); expected JSON lines") from None
+    rows, torn = parse_jsonl(text, str(path), torn_tail_ok)
+    if torn is not None:
+        warnings.warn(f"sparrow: {path}:{torn}: skipped a torn last line (a write cut short, e.g. by a kill)",
+                      stacklevel=2)
     if not rows:
         raise SparrowError(f"file {str(path)!r} holds no rows")
     return rows

@@ -1,11 +1,13 @@
-"""Atomic writes: whole files only, no temp files left behind, ordinary permissions."""
+"""Atomic writes (whole files only, no temp files left behind, ordinary permissions, synced), durable JSONL appends
+and torn last lines of logs."""
 
 import os
 import stat
 
 import pytest
 
-from sparrow.io import atomic_write_json, atomic_write_text
+from sparrow.errors import SparrowError
+from sparrow.io import append_jsonl, atomic_write_json, atomic_write_text, parse_jsonl, read_jsonl
 
 
 def test_atomic_write_replaces_whole_file_with_umask_permissions(tmp_path):
@@ -27,3 +29,60 @@ def test_failed_write_keeps_the_old_file_and_no_temp(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_json(path, {"bad": object()})
     assert path.read_text() == "good" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_atomic_write_syncs_the_file_before_and_the_directory_after_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_write_text(tmp_path / "out.txt", "data")
+    assert events == ["fsync file", "rename", "fsync dir"]
+
+
+def test_append_jsonl_writes_whole_synced_lines(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_size), real_fsync(fd)))
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, {"step": 1, "loss": 0.5})
+    append_jsonl(path, {"step": 2, "loss": float("nan")})
+    text = path.read_text()
+    assert text.count("\n") == 2 and text.endswith("\n")
+    assert synced == [len(text.splitlines()[0]) + 1, len(text)]
+    assert [row["step"] for _, row in read_jsonl(path)] == [1, 2]
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_only_where_asked(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:3: skipped a torn last line"):
+        rows = read_jsonl(path, torn_tail_ok=True)
+    assert rows == [(1, {"step": 1}), (2, {"step": 2})]
+    with pytest.raises(SparrowError, match=r"metrics.jsonl:3: not valid JSON"):
+        read_jsonl(path)  # a prompt file's bad last line stays an error
+
+
+def test_only_the_last_line_without_newline_counts_as_torn():
+    assert parse_jsonl('{"a": 1}\n{"a": 2}', "f", torn_tail_ok=True) == ([(1, {"a": 1}), (2, {"a": 2})], None)
+    with pytest.raises(SparrowError, match="f:2: not valid JSON"):
+        parse_jsonl('{"a": 1}\n{"a"\n{"a": 3}\n', "f", torn_tail_ok=True)
+    with pytest.raises(SparrowError, match="f:2: not valid JSON"):
+        parse_jsonl('{"a": 1}\n{"a": \n', "f", torn_tail_ok=True)  # a complete line: not a cut-short write
+    assert parse_jsonl('{"a": 1}\n[1, 2', "f", torn_tail_ok=True) == ([(1, {"a": 1})], 2)
+
+
+def test_non_utf8_jsonl_is_one_message(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(SparrowError, match=r"is not UTF-8 text \(byte 15\)"):
+        read_jsonl(path)
