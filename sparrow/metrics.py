@@ -3,7 +3,7 @@
 The central quantity is the acceptance rate alpha = sum_v min(p(v), q(v)) = 1 - TV(p, q). Full-vocabulary
 metrics run in chunks of positions so a [32K, 152K] pair of logits needs only a bounded amount of extra memory;
 everything is computed in float32 whatever the input dtype. `tail_stats` summarizes alpha per length bin with
-the statistic that predicts stability: a low percentile (the 5th by default), not the mean.
+the statistic that predicts stability: the 5th percentile, not the mean (SPEC 2; p1 and p50 come with it).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _PROB_SUM_TOL = 1e-2
 _ALPHA_TOL = 1e-5
 _MIN_BETA_TAIL = 20
 _DIVERGENCES = ("alpha", "tv", "kl_pq", "kl_qp")
+TAIL_THRESHOLD = 0.999
 
 
 def acceptance_rate(logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float = 1.0,
@@ -131,25 +132,18 @@ def percentile(values, q: float) -> float:
     return _lerp(a, b, gamma)
 
 
-def tail_stats(alpha, positions, bin_size: int, percentile: float = 5.0, fit_beta: bool = False,
-               tail_threshold: float = 0.999) -> dict:
+def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False) -> dict:
     """Distribution of per-token alpha per position bin [k*bin_size, (k+1)*bin_size), as a JSON-ready dict.
 
-    Keys: bins (non-empty, increasing; bin, start, end, count, mean, p1, p5, p50, p_target, frac_above_tail),
-    overall (same stats over all tokens), pearson_alpha_position (over tokens), pearson_p_target_bin (per-bin
-    `percentile` vs bin index), percentile, bin_size, tail_threshold, and with `fit_beta` the scaled-Beta fit of
-    the tail (alpha < tail_threshold) on [0, tail_threshold] as beta_fit = {a, b, scale, n, ks} (None when fewer
-    than 20 tail values or the fit fails). Positions use whatever length origin the caller chooses.
+    Keys: bins (non-empty, increasing; bin, start, end, count, mean, p1, p5, p50, frac_above_tail = share of
+    alpha >= 0.999), overall (same stats over all tokens), pearson_alpha_position (over tokens), pearson_p5_bin
+    (per-bin 5th percentile vs bin index), bin_size, and with `fit_beta` the scaled-Beta fit of the tail
+    (alpha < 0.999) on [0, 0.999] as beta_fit = {a, b, scale, n, ks} (None when fewer than 20 tail values or the
+    fit fails). Positions use whatever length origin the caller chooses.
     """
-    pct = _check_number(percentile, "percentile")
-    if not 0 < pct < 100:
-        raise SparrowError(f"percentile must be in (0, 100), got {pct}")
     if isinstance(bin_size, bool) or not isinstance(bin_size, (int, np.integer)) or bin_size < 1:
         raise SparrowError(f"bin_size must be an integer >= 1, got {bin_size!r}")
     bin_size = int(bin_size)
-    thr = _check_number(tail_threshold, "tail_threshold")
-    if not 0 < thr <= 1:
-        raise SparrowError(f"tail_threshold must be in (0, 1], got {thr}")
     a = _as_float_tensor(alpha, "alpha").detach().to("cpu", torch.float64)
     pos = _as_positions(positions)
     if a.shape != pos.shape:
@@ -175,23 +169,21 @@ def tail_stats(alpha, positions, bin_size: int, percentile: float = 5.0, fit_bet
     ids, counts = torch.unique_consecutive(sorted_bins, return_counts=True)
     rows, start = [], 0
     for k, c in zip(ids.tolist(), counts.tolist()):
-        stats = _sorted_stats(sorted_alpha[start:start + c], pct, thr)
+        stats = _sorted_stats(sorted_alpha[start:start + c])
         rows.append({"bin": k, "start": k * bin_size, "end": (k + 1) * bin_size, **stats})
         start += c
     overall_sorted = torch.sort(a).values
     out = {
         "bins": rows,
-        "overall": _sorted_stats(overall_sorted, pct, thr),
+        "overall": _sorted_stats(overall_sorted),
         "pearson_alpha_position": _pearson(a, pos.to(torch.float64)),
-        "pearson_p_target_bin": (_pearson(torch.tensor([float(r["bin"]) for r in rows], dtype=torch.float64),
-                                          torch.tensor([r["p_target"] for r in rows], dtype=torch.float64))
-                                 if len(rows) >= 3 else None),
-        "percentile": pct,
+        "pearson_p5_bin": (_pearson(torch.tensor([float(r["bin"]) for r in rows], dtype=torch.float64),
+                                    torch.tensor([r["p5"] for r in rows], dtype=torch.float64))
+                           if len(rows) >= 3 else None),
         "bin_size": bin_size,
-        "tail_threshold": thr,
     }
     if fit_beta:
-        out["beta_fit"] = _fit_beta(overall_sorted, thr)
+        out["beta_fit"] = _fit_beta(overall_sorted, TAIL_THRESHOLD)
     return out
 
 
@@ -422,17 +414,17 @@ def _percentile_sorted(sorted_values: torch.Tensor, q: float) -> float:
     return _lerp(float(sorted_values[lo]), float(sorted_values[hi]), gamma)
 
 
-def _sorted_stats(values: torch.Tensor, pct: float, thr: float) -> dict:
-    """count, mean, p1, p5, p50, p_target and the share >= thr of an ascending float64 tensor."""
+def _sorted_stats(values: torch.Tensor) -> dict:
+    """count, mean, p1, p5, p50 and the share >= TAIL_THRESHOLD of an ascending float64 tensor."""
     n = values.numel()
-    above = n - int(torch.searchsorted(values, torch.tensor([thr], dtype=values.dtype), right=False)[0])
+    threshold = torch.tensor([TAIL_THRESHOLD], dtype=values.dtype)
+    above = n - int(torch.searchsorted(values, threshold, right=False)[0])
     return {
         "count": n,
         "mean": float(values.mean()),
         "p1": _percentile_sorted(values, 1.0),
         "p5": _percentile_sorted(values, 5.0),
         "p50": _percentile_sorted(values, 50.0),
-        "p_target": _percentile_sorted(values, pct),
         "frac_above_tail": above / n,
     }
 

@@ -86,8 +86,7 @@ def write_csv(path: Path, summary: dict) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample], origin: str,
-                 tau: float | None = None) -> list[Path]:
+def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample], origin: str) -> list[Path]:
     """The 5th percentile vs length for every schedule (paper figure 3, top) and alpha histograms (figure 1b)."""
     import matplotlib
 
@@ -98,8 +97,6 @@ def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample
     for name, stats in summary.items():
         centers = [(b["start"] + b["end"]) / 2 for b in stats["bins"]]
         ax.plot(centers, [b["p5"] for b in stats["bins"]], marker="o", label=name)
-    if tau is not None:
-        ax.axhline(tau, color="gray", linestyle="--", label=f"tau = {tau}")
     ax.set_xlabel("cached tokens (prompt + generated)" if origin == "total" else "generated tokens")
     ax.set_ylabel("5th percentile of acceptance rate")
     ax.set_title("Tail acceptance vs length")

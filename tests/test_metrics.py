@@ -187,8 +187,10 @@ def _constructed():
 
 def test_tail_stats_constructed():
     alpha, positions = _constructed()
-    out = tail_stats(torch.from_numpy(alpha), torch.from_numpy(positions), bin_size=1000, percentile=10)
+    out = tail_stats(torch.from_numpy(alpha), torch.from_numpy(positions), bin_size=1000)
+    assert set(out) == {"bins", "overall", "pearson_alpha_position", "pearson_p5_bin", "bin_size"}
     bins = out["bins"]
+    assert all(set(b) == {"bin", "start", "end", "count", "mean", "p1", "p5", "p50", "frac_above_tail"} for b in bins)
     assert [b["bin"] for b in bins] == [0, 2, 3, 5]
     assert [(b["start"], b["end"]) for b in bins] == [(0, 1000), (2000, 3000), (3000, 4000), (5000, 6000)]
     assert [b["count"] for b in bins] == [400, 300, 500, 50]
@@ -198,29 +200,34 @@ def test_tail_stats_constructed():
         assert b["p5"] == pytest.approx(np.percentile(chunk, 5), rel=1e-12)
         assert b["p1"] == pytest.approx(np.percentile(chunk, 1), rel=1e-12)
         assert b["p50"] == pytest.approx(np.percentile(chunk, 50), rel=1e-12)
-        assert b["p_target"] == pytest.approx(np.percentile(chunk, 10), rel=1e-12)
         assert b["mean"] == pytest.approx(chunk.mean(), rel=1e-12)
         assert b["frac_above_tail"] == pytest.approx((chunk >= 0.999).mean(), rel=1e-12)
     overall = out["overall"]
     assert overall["count"] == alpha.size
     assert overall["mean"] == pytest.approx(alpha.mean(), rel=1e-12)
     assert overall["p5"] == pytest.approx(np.percentile(alpha, 5), rel=1e-12)
-    assert overall["p_target"] == pytest.approx(np.percentile(alpha, 10), rel=1e-12)
     assert overall["frac_above_tail"] == pytest.approx((alpha >= 0.999).mean(), rel=1e-12)
     assert out["pearson_alpha_position"] == pytest.approx(np.corrcoef(alpha, positions)[0, 1], abs=1e-10)
-    p_target = [b["p_target"] for b in bins]
-    assert out["pearson_p_target_bin"] == pytest.approx(np.corrcoef([0, 2, 3, 5], p_target)[0, 1], abs=1e-10)
-    assert out["pearson_p_target_bin"] < -0.9
+    p5 = [b["p5"] for b in bins]
+    assert out["pearson_p5_bin"] == pytest.approx(np.corrcoef([0, 2, 3, 5], p5)[0, 1], abs=1e-10)
+    assert out["pearson_p5_bin"] < -0.9
     assert "beta_fit" not in out
     assert json.loads(json.dumps(out)) == out
 
 
+def test_tail_stats_has_no_options_its_consumers_ignore():
+    """The 5th percentile and the 0.999 tail are what profile, calibrate, training and the probes read."""
+    for option in ({"percentile": 10}, {"tail_threshold": 0.99}):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            tail_stats([0.5, 0.9], [0, 1], 10, **option)
+
+
 def test_tail_stats_accepts_numpy_and_undefined_pearson():
     out = tail_stats(np.full(10, 0.5), np.arange(10), bin_size=5)
-    assert out["pearson_alpha_position"] is None and out["pearson_p_target_bin"] is None
+    assert out["pearson_alpha_position"] is None and out["pearson_p5_bin"] is None
     assert [b["count"] for b in out["bins"]] == [5, 5]
     three = tail_stats(np.full(30, 0.5), np.arange(30), bin_size=10)
-    assert len(three["bins"]) == 3 and three["pearson_p_target_bin"] is None
+    assert len(three["bins"]) == 3 and three["pearson_p5_bin"] is None
     assert tail_stats([0.2] * 5, [0] * 5, bin_size=1, fit_beta=True)["beta_fit"] is None
 
 
@@ -231,7 +238,7 @@ def test_beta_fit_recovers_parameters():
     tail = stats.beta.rvs(a, b, scale=thr, size=20000, random_state=np.random.default_rng(2))
     tail = tail[tail < thr]
     alpha = np.concatenate([tail, np.ones(5000)])
-    out = tail_stats(alpha, np.arange(alpha.size), bin_size=4096, fit_beta=True, tail_threshold=thr)
+    out = tail_stats(alpha, np.arange(alpha.size), bin_size=4096, fit_beta=True)
     fit = out["beta_fit"]
     assert fit["n"] == tail.size and fit["scale"] == thr
     assert fit["a"] == pytest.approx(a, rel=0.05) and fit["b"] == pytest.approx(b, rel=0.05)
@@ -304,7 +311,5 @@ def test_tail_stats_errors():
     _raises("outside", tail_stats, np.array([-0.1, 0.5, 1.0]), pos, 10)
     assert tail_stats(np.array([0.5, 1 + 1e-7, -1e-7]), pos, 10)["overall"]["count"] == 3
     _raises("bin_size", tail_stats, a, pos, 0)
-    _raises(r"percentile must be in \(0, 100\)", tail_stats, a, pos, 10, percentile=0)
-    _raises(r"percentile must be in \(0, 100\)", tail_stats, a, pos, 10, percentile=100)
     _raises(r"positions\[1\] = -1 is negative", tail_stats, a, np.array([0, -1, 2]), 10)
     _raises("not an integer", tail_stats, a, np.array([0, 1.5, 2]), 10)

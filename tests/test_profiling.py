@@ -7,6 +7,7 @@ import pytest
 
 from sparrow.cli import main
 from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.profiling import ScheduleSample, plot_profile, summarize
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
@@ -25,6 +26,21 @@ def test_lockstep_acceptance_is_one_for_dense_and_below_one_for_an_aggressive_bu
     # acceptance does not change what is sampled
     plain = engine.generate(prompts, sampling, const(48), num_samples=2)
     assert [c.token_ids for c in plain] == [c.token_ids for c in sparse]
+
+
+def test_summary_and_plots_from_raw_values(tmp_path):
+    """Per-bin stats of the raw values (5th percentile, 0.999 tail) and the two plots; no unused tau option."""
+    alpha = np.concatenate([np.linspace(0.5, 1.0, 20), np.ones(20)])
+    sample = ScheduleSample(alpha, np.arange(100, 140), np.arange(40), np.full(40, 48))
+    summary = summarize({"const:48": sample}, 20, "total", fit_beta=False)["const:48"]
+    assert summary["tokens"] == 40 and [b["start"] for b in summary["bins"]] == [100, 120]
+    assert summary["bins"][0]["p5"] == pytest.approx(np.percentile(alpha[:20], 5))
+    assert summary["bins"][1]["frac_above_tail"] == 1.0 and summary["overall"]["frac_above_tail"] == 21 / 40
+    paths = plot_profile(tmp_path, {"const:48": summary}, {"const:48": sample}, "total")
+    assert [p.name for p in paths] == ["p5_vs_length.png", "alpha_hist.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+    with pytest.raises(TypeError, match="tau"):
+        plot_profile(tmp_path, {"const:48": summary}, {"const:48": sample}, "total", tau=0.9)
 
 
 @pytest.fixture
