@@ -166,18 +166,15 @@ class PromptSampler:
     """Which examples each training step uses, as a pure function of (seed, step).
 
     The examples are walked epoch after epoch, each epoch in its own order, a permutation drawn from
-    `numpy.random.default_rng([seed, epoch])` (or file order when `shuffle` is False). Step `s` takes positions
-    `s * batch_size` up to `(s + 1) * batch_size` of that endless walk, so a batch may finish one epoch and start
-    the next, and a resumed run at step k gets the same batches as an uninterrupted one without saving any state.
+    `numpy.random.default_rng([seed, epoch])`. Step `s` takes positions `s * batch_size` up to
+    `(s + 1) * batch_size` of that endless walk, so a batch may finish one epoch and start the next, and a
+    resumed run at step k gets the same batches as an uninterrupted one without saving any state.
     """
 
-    def __init__(self, num_examples: int, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, num_examples: int, batch_size: int, seed: int):
         self.num_examples = _check_int("num_examples", num_examples, 1)
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
-        if not isinstance(shuffle, bool):
-            raise SparrowError(f"shuffle must be True or False, got {shuffle!r}")
-        self.shuffle = shuffle
         self._orders: dict[int, np.ndarray] = {}
 
     def batch(self, step: int) -> list[int]:
@@ -194,10 +191,7 @@ class PromptSampler:
         """The epoch's example order; the last few are cached since consecutive steps reuse them."""
         order = self._orders.get(epoch)
         if order is None:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-            else:
-                order = np.arange(self.num_examples)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
             if len(self._orders) >= 4:
                 del self._orders[next(iter(self._orders))]
             self._orders[epoch] = order
