@@ -15,7 +15,6 @@ from sparrow.rl.losses import (
     POLICY_LOSSES,
     TIS_MODES,
     compute_advantages,
-    grpo_advantages,
     kl_penalty,
     policy_loss,
     ppo_clip_loss,
@@ -73,7 +72,6 @@ def test_grpo_default_is_verls_sample_std(group):
     expected = _verl_grpo(group)
     _close(compute_advantages(_t([group])), [expected], tol=1e-12)
     _close(compute_advantages(_t([group]), "grpo", std="sample"), [expected], tol=1e-12)
-    _close(grpo_advantages(_t([group])), [expected], tol=1e-12)
 
 
 def test_grpo_matches_trl_with_trls_eps_over_several_groups():

@@ -105,11 +105,6 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std: str 
     return torch.where(constant, torch.zeros_like(advantages), advantages)
 
 
-def grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """compute_advantages with the defaults (grpo, sample std); kept only until rl/step.py calls compute_advantages."""
-    return compute_advantages(rewards)
-
-
 def _tis_truncate(ratio: torch.Tensor, cap: float) -> torch.Tensor:
     return ratio.clamp(max=cap)
 
