@@ -17,7 +17,8 @@ from pathlib import Path
 from sparrow.errors import SparrowError
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -42,7 +43,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any file the user writes
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; the result should look like any file the user writes
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
