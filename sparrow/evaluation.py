@@ -5,9 +5,9 @@ from __future__ import annotations
 from math import comb
 
 from sparrow.datasets import Example
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
-from sparrow.rewards.runner import score
+from sparrow.rewards.scoring import score_examples
 from sparrow.schedules import Schedule
 
 
@@ -20,14 +20,14 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - comb(n - correct, k) / comb(n, k)
 
 
-def evaluate(engine: RolloutEngine, examples: list[Example], reward_fns: list, schedule: Schedule,
-             sampling: SamplingParams, k: int, threshold: float = 1.0, progress: bool = False) -> dict:
-    """Sample k completions per example; a completion passes when its total reward reaches `threshold`."""
-    completions = engine.generate([ex.prompt for ex in examples], sampling, schedule, num_samples=k,
-                                  progress=progress)
-    prompts = [examples[c.prompt_index].prompt for c in completions]
-    columns = {"answer": [examples[c.prompt_index].answer for c in completions]}
-    totals = score(reward_fns, prompts, [c.text for c in completions], columns).totals
+def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Schedule, sampling: SamplingParams, k: int,
+             threshold: float = 1.0, progress: bool = False, adapter: bool = True) -> dict:
+    """Sample k completions per example from `backend` (a RolloutBackend; `adapter=False` samples the policy
+    without its DistillSparse adapter) and score them as training does (every column of the row reaches the
+    rewards); a completion passes when its total reward reaches `threshold`."""
+    completions = backend.generate([ex.prompt for ex in examples], sampling, schedule, k, adapter=adapter,
+                                   progress=progress)
+    totals = score_examples(reward_fns, examples, completions).totals
     per_example = [totals[i * k:(i + 1) * k] for i in range(len(examples))]
     passed = [sum(r >= threshold for r in rewards) for rewards in per_example]
     ks = sorted({1, k} | {j for j in (2, 4, 8, 16, 32) if j < k})

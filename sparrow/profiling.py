@@ -1,8 +1,8 @@
 """Measure how far sparse rollouts drift from the dense policy, per length bin, for several schedules.
 
-For each schedule, `profile_schedule` samples completions with that schedule while a dense cache decodes the
-same tokens in lockstep, so every generated token gets its exact acceptance rate against the dense policy on the
-same prefix. The raw per-token values are kept (one .npz per schedule) so statistics can be recomputed with any
+For each schedule, `profile_schedule` samples completions with that schedule from a rollout backend, then
+teacher-forces their tokens through the sparse actor and the dense policy (`sparrow.measure.acceptance`), so every
+generated token gets its exact acceptance rate against the dense policy on the same prefix. The raw per-token values are kept (one .npz per schedule) so statistics can be recomputed with any
 bin size; `run_profile` skips schedules whose values are already on disk, which makes an interrupted run resume.
 """
 
@@ -16,11 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.attention import SparseConfig
+from sparrow.engine import SamplingParams
+from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, atomic_write_text
 from sparrow.metrics import tail_stats
-from sparrow.schedules import DENSE, Schedule
+from sparrow.schedules import Schedule
 
 LENGTH_ORIGINS = ("total", "generated")
 
@@ -53,15 +55,17 @@ def prompts_hash(prompts: list) -> str:
     return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def profile_schedule(engine: RolloutEngine, prompts: list, schedule: Schedule, sampling: SamplingParams,
-                     samples_per_prompt: int, apply_chat_template: bool, progress: bool) -> ScheduleSample:
-    """Sample with `schedule` and measure each token's exact acceptance against the dense policy."""
-    completions = engine.generate(prompts, sampling, schedule, samples_per_prompt, apply_chat_template,
-                                  progress=progress, reference=DENSE)
+def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling: SamplingParams,
+                     samples_per_prompt: int, sparse: SparseConfig, progress: bool = False) -> ScheduleSample:
+    """Sample with `schedule` from `backend`, then measure each token's exact acceptance against the dense policy
+    by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without)."""
+    completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress)
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature)
     alpha, total, generated, budget = [], [], [], []
-    for c in completions:
+    for c, values in zip(completions, alphas):
         n = len(c.token_ids)
-        alpha.append(np.asarray(c.acceptance, dtype=np.float64))
+        alpha.append(np.asarray(values, dtype=np.float64))
         generated.append(np.arange(n))
         total.append(len(c.prompt_token_ids) + np.arange(n))
         budget.append(np.asarray(c.kv_budget))
@@ -123,8 +127,8 @@ def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample
     return [p5_path, hist_path]
 
 
-def run_profile(engine: RolloutEngine, prompts: list, schedules: dict[str, Schedule], sampling: SamplingParams,
-                samples_per_prompt: int, apply_chat_template: bool, bin_size: int, origin: str, out_dir: Path,
+def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], sampling: SamplingParams,
+                samples_per_prompt: int, sparse: SparseConfig, bin_size: int, origin: str, out_dir: Path,
                 meta: dict, log=print) -> dict:
     """Profile every schedule (resuming finished ones), then write profile.json, profile.csv and the plots."""
     if origin not in LENGTH_ORIGINS:
@@ -149,8 +153,8 @@ def run_profile(engine: RolloutEngine, prompts: list, schedules: dict[str, Sched
             samples[name] = ScheduleSample.load(path)
             continue
         log(f"[{number}/{len(schedules)}] {name}: sampling {len(prompts) * samples_per_prompt} completions")
-        samples[name] = profile_schedule(engine, prompts, schedule, sampling, samples_per_prompt,
-                                         apply_chat_template, progress=True)
+        samples[name] = profile_schedule(backend, model, prompts, schedule, sampling, samples_per_prompt, sparse,
+                                         progress=True)
         samples[name].save(path)
         log(f"    mean alpha {samples[name].alpha.mean():.4f} over {samples[name].alpha.size} tokens")
     summary = summarize(samples, bin_size, origin)

@@ -1,13 +1,21 @@
-"""One GRPO step on a tiny model: weights move when rewards vary, and stay put when every group is flat."""
+"""One GRPO step on a tiny model: its phases, weights that move when rewards vary and stay put when every group
+is flat, the fake backend, exact monitoring, non-finite updates."""
+
+import math
 
 import pytest
 import torch
 
 from sparrow.datasets import Example
-from sparrow.engine import RolloutEngine
+from sparrow.engine import SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
-from sparrow.rl.step import StepSettings, grpo_step, mismatch_metrics
+from sparrow.rl.step import Policy, StepConfig, bound_metrics, exact_metrics, grpo_step
+from sparrow.rollout import NativeBackend
 from sparrow.schedules import const
+from sparrow.typed_config import build
+from tests.fake_backend import ReplayBackend
 
 
 def byte_mean(prompts, completions, **_):
@@ -20,74 +28,125 @@ def flat(prompts, completions, **_):
 
 
 EXAMPLES = [Example(0, "the cat sat on the mat " * 12, "1", {}), Example(1, "a b c d e f g " * 20, "2", {})]
-SETTINGS = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, mini_batches=2)
+BYTES = [("bytes", byte_mean, 1.0)]
 
 
-def _setup():
+def _cfg(**options) -> StepConfig:
+    return build(StepConfig, {"num_generations": 4, "max_new_tokens": 12, "micro_batch_size": 3, "mini_batches": 2,
+                              **options})
+
+
+def _setup(lr=1e-3):
     model, tok = load_model("tiny-qwen3")
-    return model, RolloutEngine(model, tok), torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    policy = Policy(model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), tok.pad_token_id or 0)
+    return policy, NativeBackend(model, tok)
 
 
 def test_a_step_with_varied_rewards_changes_the_weights_and_reports_metrics():
-    model, engine, optimizer = _setup()
-    before = [p.detach().clone() for p in model.parameters()]
-    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), SETTINGS, seed=0)
-    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    policy, backend = _setup()
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    metrics = grpo_step(policy, backend, EXAMPLES, BYTES, const(64), _cfg(), seed=0)
+    assert any(not torch.equal(b, p) for b, p in zip(before, policy.model.parameters()))
     assert metrics["reward/frac_zero_std_groups"] < 1.0 and metrics["grad_norm"] > 0
     assert metrics["completions/max_length"] <= 12
     assert 0 < metrics["sampling/importance_sampling_ratio/min"] <= metrics["sampling/importance_sampling_ratio/max"]
     assert metrics["rollout/kv_budget_mean"] > 0
     assert 0 <= metrics["mismatch/acceptance_lower/p5"] <= metrics["mismatch/acceptance_lower/mean"] <= 1
     assert any(k.startswith("mismatch/bin_") for k in metrics)
-    assert all(metrics[f"time/{phase}_s"] > 0 for phase in ("rollout", "reward", "recompute", "update"))
-    assert metrics["rollout/tokens_per_s"] > 0
+    assert all(metrics[f"time/{phase}_s"] > 0 for phase in ("rollout", "reward", "recompute", "update", "monitor"))
+    assert metrics["rollout/tokens_per_s"] > 0 and metrics["update/skipped_mini_batches"] == 0
 
 
-def test_bins_whose_tail_falls_below_tau_are_warned_about():
-    model, engine, optimizer = _setup()
-    strict = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.999, bin_size=64)
-    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), strict, seed=0)
-    assert metrics["mismatch/warnings"] and "below tau 0.999" in metrics["mismatch/warnings"][0]
-    assert metrics["mismatch/acceptance_lower/p5"] <= metrics["mismatch/acceptance_upper/p5"] <= 1.0
-    lenient = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, tau=0.01, bin_size=64)
-    assert grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(48), lenient,
-                     seed=0)["mismatch/warnings"] == []
+def test_the_step_runs_on_any_backend_and_syncs_it_after_the_update():
+    policy, native = _setup()
+    completions = native.generate([ex.prompt for ex in EXAMPLES], SamplingParams(max_new_tokens=12, seed=0),
+                                  const(64), 4)
+    fake = ReplayBackend(completions)
+    metrics = grpo_step(policy, fake, EXAMPLES, BYTES, const(64), _cfg(), seed=0)
+    assert fake.calls == [(2, 4, const(64))] and fake.synced == [policy.model]
+    assert metrics["completions/mean_length"] == sum(len(c.token_ids) for c in completions) / 8
 
 
-def test_warnings_say_whether_a_bin_is_below_tau_or_only_may_be():
+def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_by_the_bounds():
+    policy, native = _setup()
+    completions = native.generate([ex.prompt for ex in EXAMPLES], SamplingParams(max_new_tokens=12, seed=0),
+                                  const(48), 4)
+    alphas = teacher_forced_acceptance(policy.model, completions, const(48), native.engine.sparse, 1.0)
+    expected = torch.tensor([a for row in alphas for a in row], dtype=torch.float64)
+    metrics = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48), _cfg(bin_size=4096),
+                        seed=0)
+    assert metrics["mismatch/exact/tokens"] == expected.numel()
+    assert metrics["mismatch/exact/mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
+    assert metrics["mismatch/exact/p5"] == pytest.approx(float(torch.quantile(expected, 0.05)), abs=1e-6)
+    assert metrics["mismatch/acceptance_lower/mean"] <= metrics["mismatch/exact/mean"]
+    assert metrics["mismatch/exact/mean"] <= metrics["mismatch/acceptance_upper/mean"] + 1e-6
+    low, high = metrics["mismatch/bin_0/exact_p5_low"], metrics["mismatch/bin_0/exact_p5_high"]
+    assert low <= metrics["mismatch/exact/p5"] <= high
+    half = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
+                     _cfg(bin_size=4096, monitor_share=0.5), seed=0)
+    assert half["mismatch/exact/tokens"] == sum(len(c.token_ids) for c in completions[:4])
+    bounds_only = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
+                            _cfg(monitor="bounds"), seed=0)
+    assert "mismatch/exact/p5" not in bounds_only and "time/monitor_s" not in bounds_only
+
+
+def test_exact_warnings_say_below_only_when_the_interval_is_below_and_count_tokens_when_undecided():
+    monitor = _cfg(tau=0.8, bin_size=1000).monitor
+    below = torch.linspace(0.0, 0.75, 400)  # every token below tau
+    metrics, warnings = exact_metrics(below, torch.zeros(400, dtype=torch.long), monitor)
+    assert len(warnings) == 1 and "is below tau 0.8" in warnings[0]
+    above = torch.linspace(0.85, 1.0, 400)
+    assert exact_metrics(above, torch.zeros(400, dtype=torch.long), monitor)[1] == []
+    mixed = torch.cat([torch.full((6,), 0.5), torch.full((94,), 0.95)])  # 6% below tau, 100 tokens: undecided
+    _, undecided = exact_metrics(mixed, torch.zeros(100, dtype=torch.long), monitor)
+    assert len(undecided) == 1 and "undecided" in undecided[0] and "more tokens would decide it" in undecided[0]
+    more = int(undecided[0].split("about ")[1].split(" ")[0])
+    # at 6% below tau the binomial test against 5% needs about 1.96^2 * 0.0475 / 0.01^2 = 1825 tokens
+    assert more == math.ceil(1.959964 ** 2 * 0.05 * 0.95 / 0.01 ** 2 - 100)
+
+
+def test_bound_warnings_say_whether_a_bin_is_below_tau_or_only_may_be():
     # bin [0, 10): both bounds 0.9; bin [10, 20): lower 0.7, upper 0.9; bin [20, 30): both 0.5.
     bounds = torch.tensor([[0.9, 0.9]] * 10 + [[0.7, 0.9]] * 10 + [[0.5, 0.5]] * 10)
-    metrics, warnings = mismatch_metrics(bounds, torch.arange(30), StepSettings(tau=0.8, bin_size=10))
+    monitor = _cfg(tau=0.8, bin_size=10).monitor
+    metrics, warnings = bound_metrics(bounds, torch.arange(30), monitor)
     assert metrics["mismatch/bin_10/acceptance_lower_p5"] == pytest.approx(0.7)
     assert metrics["mismatch/bin_10/acceptance_upper_p5"] == pytest.approx(0.9)
     assert len(warnings) == 2
     assert warnings[0].startswith("length bin [10, 20): 5th percentile of acceptance may be below tau 0.8")
     assert warnings[1].startswith("length bin [20, 30): 5th percentile of acceptance is below tau 0.8")
-    _, dense = mismatch_metrics(bounds, torch.arange(30), StepSettings(tau=0.8, bin_size=10), sparse=False)
+    _, dense = bound_metrics(bounds, torch.arange(30), monitor, sparse=False)
     assert dense == warnings[1:]  # dense rollouts: only certain shortfalls
 
 
 def test_flat_rewards_give_zero_advantages_and_leave_the_weights_unchanged():
-    model, engine, optimizer = _setup()
-    before = [p.detach().clone() for p in model.parameters()]
-    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("flat", flat, 1.0)], const(64), SETTINGS, seed=0)
+    policy, backend = _setup()
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    metrics = grpo_step(policy, backend, EXAMPLES, [("flat", flat, 1.0)], const(64), _cfg(), seed=0)
     assert metrics["reward/frac_zero_std_groups"] == 1.0 and metrics["loss"] == 0.0
-    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(b, p) for b, p in zip(before, policy.model.parameters()))
 
 
-def test_bad_settings_are_refused():
-    with pytest.raises(Exception, match="loss_aggregation"):
-        StepSettings(loss_aggregation="sum")
+def test_a_non_finite_gradient_skips_the_update_or_stops_the_run():
+    policy, backend = _setup()
+    next(policy.model.parameters()).register_hook(lambda grad: grad * float("inf"))
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    metrics = grpo_step(policy, backend, EXAMPLES, BYTES, const(64), _cfg(mini_batches=1), seed=0, number=3)
+    assert metrics["update/skipped_mini_batches"] == 1
+    assert any("not finite" in w for w in metrics["mismatch/warnings"])
+    assert all(torch.equal(b, p) for b, p in zip(before, policy.model.parameters()))
+    with pytest.raises(SparrowError, match="step 3: .* not finite"):
+        grpo_step(policy, backend, EXAMPLES, BYTES, const(64), _cfg(mini_batches=1, non_finite="stop"), seed=0,
+                  number=3)
 
 
 def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
     results, metrics = [], []
     for micro in (2, 8):
-        model, engine, optimizer = _setup()
-        settings = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=micro, mini_batches=1)
-        metrics.append(grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64),
-                                 settings, seed=0))
-        results.append([p.detach().clone() for p in model.parameters()])
+        policy, backend = _setup()
+        metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(64),
+                                 _cfg(micro_batch_size=micro, mini_batches=1), seed=0))
+        results.append([p.detach().clone() for p in policy.model.parameters()])
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-7
     assert abs(metrics[0]["grad_norm"] - metrics[1]["grad_norm"]) < 1e-5
     # Adam normalizes each coordinate, so float noise in near-zero gradients shows up at up to ~lr * 3e-2 (the
@@ -96,17 +155,15 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
 
 
 def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():
-    model, engine, optimizer = _setup()
-    reference = load_model("tiny-qwen3")[0]
-    settings = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=8, kl_coef=0.5)
-    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings,
-                        seed=0, reference=reference)
+    policy, backend = _setup()
+    cfg = _cfg(micro_batch_size=8, mini_batches=1, kl_coef=0.5)
+    with pytest.raises(SparrowError, match="reference"):
+        grpo_step(policy, backend, EXAMPLES, BYTES, const(64), cfg, seed=2)
+    policy, backend = _setup()
+    policy.reference = load_model("tiny-qwen3")[0]
+    metrics = grpo_step(policy, backend, EXAMPLES, BYTES, const(64), cfg, seed=0)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy before its first update is the reference
-    second = grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings,
-                       seed=1, reference=reference)
-    assert second["kl"] > 0
-    with pytest.raises(Exception, match="reference"):
-        grpo_step(model, engine, optimizer, EXAMPLES, [("bytes", byte_mean, 1.0)], const(64), settings, seed=2)
+    assert grpo_step(policy, backend, EXAMPLES, BYTES, const(64), cfg, seed=1)["kl"] > 0
 
 
 def test_a_step_survives_programs_that_hang_flood_write_outside_or_crash(tmp_path):
@@ -119,9 +176,9 @@ def test_a_step_survives_programs_that_hang_flood_write_outside_or_crash(tmp_pat
         return [run_code(evil[i % 4], [{"input": "", "output": "ok"}], timeout=1.0, memory_mb=256,
                          base_dir=str(tmp_path)) for i in range(len(completions))]
 
-    model, engine, optimizer = _setup()
-    settings = StepSettings(num_generations=2, max_new_tokens=4, micro_batch_size=4)
-    metrics = grpo_step(model, engine, optimizer, EXAMPLES, [("evil", contained, 1.0)], const(64), settings, seed=0)
+    policy, backend = _setup()
+    metrics = grpo_step(policy, backend, EXAMPLES, [("evil", contained, 1.0)], const(64),
+                        _cfg(num_generations=2, max_new_tokens=4, micro_batch_size=4, mini_batches=1), seed=0)
     assert metrics["rewards/records"]["evil"] == {"timeout": 1, "output_limit": 1, "ok": 1, "crash": 1}
     assert {f["status"] for f in metrics["rewards/failures"]} == {"timeout", "output_limit", "crash"}
     assert metrics["reward/mean"] == 0.0 and list(tmp_path.iterdir()) == []

@@ -6,13 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
-from sparrow.rl.distill import dense_context
+from sparrow.rollout import NativeBackend, encode_prompt
 from sparrow.schedules import Schedule, parse_schedule
 
-from .common import MODEL_HELP, ModelOptions
+from .common import MODEL_HELP, ModelOptions, check_output, require_file
 from .config import add_config_options, load_config
 from .generate import read_prompts
 
@@ -53,8 +53,8 @@ class ProfileConfig(ModelOptions):
         super().validate()
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")
-        if not Path(self.prompts).is_file():
-            raise SparrowError(f"prompts file {self.prompts!r} does not exist")
+        require_file(self.prompts, "prompts file")
+        check_output(self.out, "output directory", directory=True)
         for name in ("samples_per_prompt", "max_new_tokens", "bin_size", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -95,9 +95,8 @@ def run(args) -> int:
     config = load_config(ProfileConfig, args)
     prompts = read_prompts(config.prompts)
     model, tokenizer = config.load()
-    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size,
-                           reference_context=dense_context(model))
     sparse = config.sparse_config()
+    backend = NativeBackend(model, tokenizer, sparse, max_batch_size=config.max_batch_size)
     meta = {
         "model": config.model, "adapter": config.adapter, "prompts_file": config.prompts,
         "prompts_hash": prompts_hash(prompts),
@@ -105,10 +104,13 @@ def run(args) -> int:
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seed": config.seed,
                      "max_new_tokens": config.max_new_tokens, "ignore_eos": config.ignore_eos},
         "sparse": dataclasses.asdict(sparse), "dtype": config.dtype,
-        "prompt_tokens_mean": sum(len(engine.encode(p, config.chat)) for p in prompts) / len(prompts),
+        "prompt_tokens_mean": sum(len(encode_prompt(tokenizer, p, config.chat)) for p in prompts) / len(prompts),
     }
-    profile = run_profile(engine, prompts, config.parsed_schedules(), config.sampling(), config.samples_per_prompt,
-                          config.chat, config.bin_size, config.length_origin, Path(config.out), meta)
+    if config.chat:  # text prompts become one user message each, templated by whatever backend samples them
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    profile = run_profile(backend, model, prompts, config.parsed_schedules(), config.sampling(),
+                          config.samples_per_prompt, sparse, config.bin_size, config.length_origin, Path(config.out),
+                          meta)
     print(f"{'schedule':<22} {'tokens':>7} {'mean':>7} {'>0.999':>7} {'p5':>7}   p5 per bin")
     for name, stats in profile["schedules"].items():
         overall = stats["overall"]

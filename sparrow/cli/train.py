@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sparrow.rl.trainer import TrainConfig, train
+from sparrow.rl.config import TrainConfig
+from sparrow.rl.trainer import train
 
 from .config import add_config_options, load_config
 
@@ -25,6 +26,20 @@ HELP = {
     "distill_targets": "all-linear or comma-separated module names for the adapter",
     "switch_schedule": "a more aggressive schedule rollouts switch to once probes show its tail acceptance >= tau",
     "probe_data": "prompts for the switch probes (default: the last probe_prompts rows of --data, held out)",
+    "advantage_estimator": "grpo ((r - mean) / std per group), dr_grpo (r - mean) or rloo (leave-one-out mean)",
+    "advantage_std": "group std of grpo: sample (Bessel, as verl, TRL and the release) or population",
+    "policy_loss": "policy loss by name: ppo_clip (clipped PPO with dual clip, TIS-weighted)",
+    "non_finite": "a mini-batch whose loss or gradient is not finite: skip its update (and say so) or stop the run",
+    "monitor": "acceptance monitor: exact (teacher-forced sparse vs dense, full distributions) or bounds (top-K)",
+    "monitor_every": "exact monitoring every N-th step",
+    "monitor_share": "share of each step's prompt groups measured exactly (0 < share <= 1)",
+    "backend": "rollout backend: native (our engine)",
+    "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
+    "ray_address": "attach to an existing Ray cluster (started with `ray start --head`) instead of a local one",
+    "max_batch_size": "most sequences decoded together by a rollout engine",
+    "allow_changes": "with --resume: accept a changed config for the options where continuing makes sense",
+    "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)",
+    "learning_rate": "AdamW learning rate of the policy, in (0, 1]",
 }
 
 

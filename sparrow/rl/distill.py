@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,8 +27,10 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.errors import SparrowError
+from sparrow.lora import without_adapter
 from sparrow.metrics import tail_stats
-from sparrow.schedules import DENSE, Schedule
+from sparrow.measure.acceptance import teacher_forced_acceptance
+from sparrow.schedules import Schedule
 
 from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from .losses import FULL_KL_DIRECTIONS, full_kl, kl_penalty, ppo_clip_loss
@@ -37,29 +40,42 @@ ADAPTER_MARK = "lora_"
 
 
 def _check_number(option: str, value, ok, expected: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise SparrowError(f"{option} must be a number {expected}, got {value!r}")
+
+
+def _option(flag: str, default):
+    return field(default=default, metadata={"flag": flag})
 
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """The adapter and its optimizer; the trainer options are `distill_<field>` (`distill_lambda` for kl_lambda).
+    """The `distill` section of the train config: the adapter, its optimizer and schedule switching.
 
-    lr: AdamW learning rate of the adapter (no weight decay); 1e-4 is a usual LoRA rate: a zero-initialized
-    low-rank update needs a far larger rate than full fine-tuning (1e-6 would leave it near zero). rank, alpha:
-    LoRA rank and scaling numerator (the release: alpha 16). targets: "all-linear" (every linear layer but the
-    output head, the release's choice) or comma-separated module names such as "q_proj,v_proj". dropout: LoRA
-    dropout. kl_lambda: weight of L_KL (the release: 0.001). kl: "k3" (the release's sampled-token estimator of
-    KL(sparse || dense)), "forward" (exact KL(dense || sparse)) or "reverse" (exact KL(sparse || dense)).
+    enabled: DistillSparse on (`--distill`). lr: AdamW learning rate of the adapter (no weight decay); 1e-4 is a
+    usual LoRA rate: a zero-initialized low-rank update needs a far larger rate than full fine-tuning (1e-6 would
+    leave it near zero). rank, alpha: LoRA rank and scaling numerator (the release: alpha 16). targets:
+    "all-linear" (every linear layer but the output head, the release's choice) or comma-separated module names
+    such as "q_proj,v_proj". dropout: LoRA dropout. kl_lambda: weight of L_KL (the release: 0.001). kl: "k3" (the
+    release's sampled-token estimator of KL(sparse || dense)), "forward" (exact KL(dense || sparse)) or "reverse"
+    (exact KL(sparse || dense)). switch_schedule: a more aggressive schedule that rollouts switch to after
+    `probe_patience` consecutive probes (every `probe_every` steps, on `probe_prompts` held-out prompts of
+    `probe_data` or the last rows of the data) hold every length bin's acceptance p5 at tau.
     """
 
-    lr: float = 1e-4
-    rank: int = 8
-    alpha: float = 16.0
-    targets: str = "all-linear"
-    dropout: float = 0.0
-    kl_lambda: float = 0.001
-    kl: str = "k3"
+    enabled: bool = _option("distill", False)
+    lr: float = _option("distill_lr", 1e-4)
+    rank: int = _option("distill_rank", 8)
+    alpha: float = _option("distill_alpha", 16.0)
+    targets: str = _option("distill_targets", "all-linear")
+    dropout: float = _option("distill_dropout", 0.0)
+    kl_lambda: float = _option("distill_lambda", 0.001)
+    kl: str = _option("distill_kl", "k3")
+    switch_schedule: str | None = None
+    probe_every: int = 10
+    probe_prompts: int = 4
+    probe_patience: int = 2
+    probe_data: str | None = None
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -73,6 +89,10 @@ class DistillConfig:
         if not isinstance(self.targets, str) or not self.target_modules():
             raise SparrowError(f"distill_targets must be 'all-linear' or comma-separated module names such as "
                                f"'q_proj,v_proj', got {self.targets!r}")
+        for name in ("probe_every", "probe_prompts", "probe_patience"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SparrowError(f"{name} must be an integer >= 1, got {value!r}")
 
     def target_modules(self) -> str | list[str]:
         if self.targets.strip() == "all-linear":
@@ -129,11 +149,6 @@ def load_adapter(model, path: str | Path):
         raise SparrowError(f"adapter {str(path)!r} does not fit the model: {err}") from None
 
 
-def dense_context(model):
-    """What disables the adapter of a peft model (for `RolloutEngine(reference_context=...)`); None without one."""
-    return getattr(model, "disable_adapter", None)
-
-
 @contextlib.contextmanager
 def _frozen(params: list[torch.nn.Parameter]):
     flags = [p.requires_grad for p in params]
@@ -159,10 +174,10 @@ class Distiller:
 
     def dense(self):
         """Context in which the model is the dense policy alone (adapter disabled)."""
-        return self.model.disable_adapter()
+        return without_adapter(self.model)
 
     def step(self, batch: RolloutBatch, logp_old: torch.Tensor, advantages: torch.Tensor, schedule: Schedule,
-             settings) -> dict:
+             cfg) -> dict:
         """One adapter update on the step's rollouts, base weights frozen; returns `distill/...` metrics.
 
         L_PPO_sparse is the clipped PPO loss with pi_theta = the teacher-forced sparse log-probs (adapter on, the
@@ -177,8 +192,9 @@ class Distiller:
         accumulation and `max_grad_norm` as for the policy.
         """
         clock = time.perf_counter()
-        clip = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "dual_clip": settings.dual_clip,
-                "aggregation": settings.loss_aggregation}
+        grpo, temperature = cfg.grpo, cfg.sampling.temperature
+        clip = {"clip_low": grpo.clip_low, "clip_high": grpo.clip_high, "dual_clip": grpo.dual_clip,
+                "aggregation": grpo.loss_aggregation}
         rows = torch.arange(batch.input_ids.shape[0])
         actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=self.sparse)
         tokens = batch.mask.sum()
@@ -187,11 +203,11 @@ class Distiller:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         with _frozen(self.base):
-            for piece in shared_prompt_pieces(batch, rows, settings.micro_batch_size):
+            for piece in shared_prompt_pieces(batch, rows, grpo.micro_batch_size):
                 mask = batch.mask[piece]
                 valid = mask.bool()
                 logits, span = piece_logits(self.model, batch, piece, actor)
-                logp = piece_logprobs(logits, batch, piece, span, settings.temperature)
+                logp = piece_logprobs(logits, batch, piece, span, temperature)
                 ppo, _ = ppo_clip_loss(logp, batch.rollout_logprobs[piece], advantages[piece], mask, **clip)
                 if self.cfg.kl == "k3":
                     kl = kl_penalty(logp, logp_old[piece], "k3")[valid].mean()
@@ -199,15 +215,15 @@ class Distiller:
                     with torch.no_grad(), self.dense():
                         dense_logits, _ = piece_logits(self.model, batch, piece)
                     inside = batch.mask[piece, span].bool()
-                    kl = full_kl(logits[inside], dense_logits[inside], self.cfg.kl, settings.temperature).mean()
+                    kl = full_kl(logits[inside], dense_logits[inside], self.cfg.kl, temperature).mean()
                 loss = ppo + self.cfg.kl_lambda * kl
-                share = (mask.sum() / tokens if settings.loss_aggregation == "token-mean"
+                share = (mask.sum() / tokens if grpo.loss_aggregation == "token-mean"
                          else torch.tensor(len(piece) / len(rows)))
                 (loss * share).backward()
                 for name, value in (("loss", loss), ("ppo_loss", ppo), ("kl", kl)):
                     totals[name] += float(value.detach() * share)
                 diffs.append((logp.detach() - logp_old[piece])[valid].abs())
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, settings.max_grad_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm))
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # stale adapter grads must not reach the policy's grad clip
         self.model.eval()
@@ -248,15 +264,16 @@ def observe_probe(state: SwitchState, bin_p5: list[float], tau: float, patience:
     return SwitchState(streak, step if streak >= patience else None)
 
 
-def probe(engine, prompts: list, schedule: Schedule, sampling, num_samples: int,
-          bin_size: int) -> tuple[list[float], dict]:
-    """Exact acceptance of the current sparse actor under `schedule` against the dense policy on `prompts`.
-
-    The engine's reference decode must run without the adapter (`RolloutEngine(reference_context=...)`).
-    Returns the per-bin 5th percentiles (bins by total cached length) and `probe/...` metrics.
-    """
-    completions = engine.generate(prompts, sampling, schedule, num_samples, reference=DENSE)
-    alpha = torch.tensor([a for c in completions for a in c.acceptance], dtype=torch.float64)
+def probe(backend, model, prompts: list, schedule: Schedule, sampling, num_samples: int, sparse: SparseConfig,
+          bin_size: int, pad_id: int = 0) -> tuple[list[float], dict]:
+    """Exact acceptance of the current sparse actor under `schedule` against the dense policy on `prompts`: the
+    backend samples with the adapter on, then `teacher_forced_acceptance` measures every token (adapter on for
+    the sparse actor, off for the dense policy). Returns the per-bin 5th percentiles (bins by total cached
+    length) and `probe/...` metrics."""
+    completions = backend.generate(prompts, sampling, schedule, num_samples)
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature, pad_id=pad_id)
+    alpha = torch.tensor([a for values in alphas for a in values], dtype=torch.float64)
     positions = torch.tensor([len(c.prompt_token_ids) + i for c in completions for i in range(len(c.token_ids))])
     stats = tail_stats(alpha, positions, bin_size)
     metrics = {"probe/acceptance/p5": stats["overall"]["p5"], "probe/acceptance/mean": stats["overall"]["mean"]}

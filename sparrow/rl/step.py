@@ -1,130 +1,298 @@
-"""One GRPO step on sparse rollouts: generate, score, normalize, recompute dense, TIS-weighted PPO update.
+"""One GRPO step on sparse rollouts, in phases over one `StepBatch`:
 
-This is the core the trainer command wraps (groundwork for it: logging, checkpoints and monitoring live
-around this function, not in it). The dense policy's log-probs `pi_old` are recomputed with the model's own
-attention (no Sparrow context, so dense), and the update runs on those same dense forward passes.
+    rollout -> score -> advantages -> recompute -> update -> sync -> metrics
+
+`rollout` asks the backend for completions; `score` runs the reward functions; `advantages` normalizes them per
+group (an estimator chosen by name); `recompute` runs the dense policy over the rollouts (pi_old, the top-K
+acceptance bounds, the exact acceptance of a share of the groups, the KL reference, the TIS weights); `update`
+takes the clipped-PPO steps (and DistillSparse's adapter step); the backend then gets the new weights.
+The dense policy's log-probs are computed with the model's own attention (no Sparrow context: dense).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from sparrow.attention import SparseConfig
 from sparrow.datasets import Example
-from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.lora import without_adapter
+from sparrow.measure.acceptance import piece_acceptance
+from sparrow.measure.tail import bin_tails
 from sparrow.metrics import acceptance_bounds, tail_stats
-from sparrow.rewards.runner import score
+from sparrow.rewards.runner import ScoreResult
+from sparrow.rewards.scoring import score_examples
+from sparrow.rollout import RolloutBackend
 from sparrow.schedules import Schedule
 
 from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
-from .losses import (
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    grpo_advantages,
-    kl_penalty,
-    ppo_clip_loss,
-    tis_stats,
-    tis_weights,
-)
+from .config import GRPOSection, MonitorSection, SamplingSection
+from .losses import compute_advantages, kl_penalty, policy_loss, tis_stats, tis_weights
 
 
 @dataclass(frozen=True)
-class StepSettings:
-    """Per-step GRPO settings; the defaults follow the release (SPEC section 7)."""
+class StepConfig:
+    """The sections of the train config a step reads (shared with the run's `TrainConfig`, not copied)."""
 
-    num_generations: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
-    tis_mode: str = "truncate"
-    tis_cap: float = 2.0
-    loss_aggregation: str = "token-mean"
-    mini_batches: int = 1
-    micro_batch_size: int = 4
-    max_grad_norm: float = 1.0
-    tau: float = 0.86
-    bin_size: int = 2000
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    num_logprobs: int = 20
-
-    def __post_init__(self):
-        if self.loss_aggregation not in LOSS_AGGREGATIONS:
-            raise SparrowError(f"unknown loss_aggregation {self.loss_aggregation!r}: expected one of "
-                               f"{', '.join(LOSS_AGGREGATIONS)}")
-        for name in ("num_generations", "max_new_tokens", "mini_batches", "micro_batch_size", "bin_size",
-                     "num_logprobs"):
-            if getattr(self, name) < 1:
-                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kl_coef < 0:
-            raise SparrowError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise SparrowError(f"unknown kl_estimator {self.kl_estimator!r}: expected one of "
-                               f"{', '.join(KL_ESTIMATORS)}")
-        if self.max_grad_norm <= 0:
-            raise SparrowError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
 
-def _pieces(batch: RolloutBatch, rows: torch.Tensor, settings: StepSettings) -> list[torch.Tensor]:
-    return shared_prompt_pieces(batch, rows, settings.micro_batch_size)
+@dataclass
+class Policy:
+    """The trained side: the model, its optimizer, the frozen KL reference and the DistillSparse distiller."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    pad_id: int = 0
+    reference: torch.nn.Module | None = None
+    distiller: object | None = None
+
+    def dense(self) -> contextlib.AbstractContextManager:
+        """The dense policy: the model with its adapter (if any) off."""
+        return without_adapter(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
 
-def _policy_logprobs(model, batch: RolloutBatch, piece: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits, span = piece_logits(model, batch, piece)
-    return piece_logprobs(logits, batch, piece, span, temperature)
+@dataclass
+class StepBatch:
+    """Everything one step knows about its rollouts, filled phase by phase."""
+
+    examples: list[Example]
+    schedule: Schedule
+    completions: list = field(default_factory=list)
+    scored: ScoreResult | None = None
+    rewards: torch.Tensor | None = None  # [prompts, n]
+    advantages: torch.Tensor | None = None  # [prompts * n]
+    batch: RolloutBatch | None = None
+    logp_old: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None  # [tokens, 2] lower / upper acceptance bounds
+    exact: torch.Tensor | None = None  # [tokens] exact acceptance of the monitored rows (positions in exact_at)
+    exact_at: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    timing: dict = field(default_factory=dict)
+    update: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
-def _recompute(model, batch: RolloutBatch, settings: StepSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """pi_old of the sampled tokens, and bounds [N, 2] (lower, upper) on each generated token's acceptance rate.
+class _Clock:
+    def __init__(self, step: StepBatch, name: str):
+        self.step, self.name = step, name
 
-    The bounds come from the rollout's top-K log-probs against the full dense distribution (SPEC section 2):
-    full sparse distributions are not kept. Rows run in shared-prompt pieces (`shared_prompt_logits`), so each
-    prompt is computed once per group.
-    """
+    def __enter__(self):
+        self.began = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.step.timing[f"time/{self.name}_s"] = time.perf_counter() - self.began
+
+
+def _pieces(step: StepBatch, rows: torch.Tensor, cfg: StepConfig) -> list[torch.Tensor]:
+    return shared_prompt_pieces(step.batch, rows, cfg.grpo.micro_batch_size)
+
+
+# -- phases ---------------------------------------------------------------------------------------------------
+
+
+def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
+    with _Clock(step, "rollout"):
+        step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
+                                            step.schedule, cfg.grpo.num_generations)
+
+
+def score(step: StepBatch, reward_fns: list) -> None:
+    with _Clock(step, "reward"):
+        step.scored = score_examples(reward_fns, step.examples, step.completions)
+        step.rewards = torch.tensor(step.scored.totals, dtype=torch.float32).view(len(step.examples), -1)
+
+
+def advantages(step: StepBatch, cfg: StepConfig) -> None:
+    step.advantages = compute_advantages(step.rewards, cfg.grpo.advantage_estimator, cfg.grpo.advantage_std).flatten()
+
+
+def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) -> set[int]:
+    """Rows whose exact acceptance is measured this step: those of the first `monitor_share` of the groups (the
+    prompts are drawn at random, so they are a random share), every `monitor_every`-th step. Dense rollouts of a
+    model without an adapter are the dense policy itself: nothing to measure."""
+    mon = cfg.monitor
+    if mon.monitor != "exact" or number % mon.monitor_every or (step.schedule.is_dense and policy.distiller is None):
+        return set()
+    return set(range(math.ceil(mon.monitor_share * len(step.examples)) * cfg.grpo.num_generations))
+
+
+def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) -> None:
+    """pi_old of the sampled tokens, the top-K bounds [N, 2] on each token's acceptance, the exact acceptance of
+    the monitored rows (their sparse teacher-forced forward against these very dense logits), the KL reference's
+    log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per group."""
+    clock = time.perf_counter()
+    batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
+    temperature = cfg.sampling.temperature
     logp_old = torch.zeros_like(batch.rollout_logprobs)
     bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
-    for piece in _pieces(batch, torch.arange(batch.input_ids.shape[0]), settings):
-        logits, span = piece_logits(model, batch, piece)
-        logp_old[piece] = piece_logprobs(logits, batch, piece, span, settings.temperature)
+    exact = torch.full_like(batch.mask, float("nan"))
+    monitored = _monitored(policy, step, cfg, number)
+    monitor_s = 0.0
+    for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg):
+        with torch.no_grad(), policy.dense():
+            logits, span = piece_logits(policy.model, batch, piece)
+        logp_old[piece] = piece_logprobs(logits, batch, piece, span, temperature)
         valid = batch.mask[piece, span].bool()
         low, high = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
-                                      logits[valid], settings.temperature)
+                                      logits[valid], temperature)
         found = torch.zeros(*valid.shape, 2, device=valid.device)
         found[valid] = torch.stack([low, high], dim=-1)
         bounds[piece.tolist(), span] = found
-    return logp_old, bounds[batch.mask.bool()]
+        if monitored and int(piece[0]) in monitored:
+            began = time.perf_counter()
+            exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
+                                            dense_logits=logits)
+            monitor_s += time.perf_counter() - began
+    valid = batch.mask.bool()
+    step.logp_old, step.bounds = logp_old, bounds[valid]
+    if monitored:
+        measured = valid & ~exact.isnan()
+        step.exact, step.exact_at = exact[measured], batch.positions[measured]
+        step.timing["time/monitor_s"] = monitor_s
+    if cfg.grpo.kl_coef > 0:
+        if policy.reference is None:
+            raise SparrowError("kl_coef > 0 needs a reference model")
+        step.logp_ref = torch.zeros_like(logp_old)
+        with torch.no_grad():
+            for piece in _pieces(step, torch.arange(len(step.completions)), cfg):
+                ref_logits, span = piece_logits(policy.reference, batch, piece)
+                step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, temperature)
+    step.weights = tis_weights(logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
+    step.timing["time/recompute_s"] = time.perf_counter() - clock - monitor_s
 
 
-def mismatch_metrics(bounds: torch.Tensor, positions: torch.Tensor, settings: StepSettings,
-                     sparse: bool = True) -> tuple[dict, list[str]]:
+def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) -> None:
+    """The clipped-PPO update over `mini_batches` optimizer steps, micro-batches accumulated; a mini-batch whose
+    loss or gradient is not finite is skipped (or stops the run: `non_finite: stop`) and never applied."""
+    grpo, batch = cfg.grpo, step.batch
+    with _Clock(step, "update"):
+        policy.model.train()
+        losses, grad_norms, clip_stats, kl_values, skipped = [], [], [], [], 0
+        with policy.dense():
+            for mini in torch.arange(len(step.completions)).chunk(grpo.mini_batches):
+                policy.optimizer.zero_grad(set_to_none=True)
+                tokens = batch.mask[mini].sum()
+                mini_loss = 0.0
+                for micro in _pieces(step, mini, cfg):
+                    logits, span = piece_logits(policy.model, batch, micro)
+                    logp = piece_logprobs(logits, batch, micro, span, cfg.sampling.temperature)
+                    loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
+                                              batch.mask[micro], weights=step.weights[micro],
+                                              clip_low=grpo.clip_low, clip_high=grpo.clip_high,
+                                              dual_clip=grpo.dual_clip, aggregation=grpo.loss_aggregation)
+                    if step.logp_ref is not None:
+                        kl = kl_penalty(logp, step.logp_ref[micro], grpo.kl_estimator)
+                        kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
+                        loss = loss + grpo.kl_coef * kl
+                        kl_values.append(float(kl.detach()))
+                    share = (batch.mask[micro].sum() / tokens if grpo.loss_aggregation == "token-mean"
+                             else torch.tensor(len(micro) / len(mini)))
+                    (loss * share).backward()
+                    mini_loss += float(loss.detach() * share)
+                    clip_stats.append(stats)
+                norm = float(torch.nn.utils.clip_grad_norm_(policy.model.parameters(), grpo.max_grad_norm))
+                if not (math.isfinite(mini_loss) and math.isfinite(norm)):
+                    what = f"loss {mini_loss} and gradient norm {norm}"
+                    if grpo.non_finite == "stop":
+                        raise SparrowError(f"step {number}: {what} of a mini-batch are not finite; stopping before "
+                                           "the update is applied (non_finite: skip would skip it)")
+                    step.warnings.append(f"{what} of a mini-batch are not finite: its update was skipped")
+                    policy.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                policy.optimizer.step()
+                losses.append(mini_loss)
+                grad_norms.append(norm)
+        policy.model.eval()
+        _check_parameters(policy.model, number)
+    n = max(len(clip_stats), 1)
+    step.update = {
+        "loss": sum(losses) / len(losses) if losses else float("nan"),
+        **({"kl": sum(kl_values) / len(kl_values)} if kl_values else {}),
+        "grad_norm": max(grad_norms) if grad_norms else float("nan"),
+        "update/skipped_mini_batches": skipped,
+        "clip_ratio": sum(s["clip_frac"] for s in clip_stats) / n,
+        "clip_ratio/low_mean": sum(s["clip_frac_low"] for s in clip_stats) / n,
+        "clip_ratio/high_mean": sum(s["clip_frac_high"] for s in clip_stats) / n,
+        "clip_ratio/dual_mean": sum(s["dual_clip_frac"] for s in clip_stats) / n,
+        "learning_rate": policy.optimizer.param_groups[0]["lr"],
+    }
+    if policy.distiller is not None:
+        step.update.update(policy.distiller.step(batch, step.logp_old, step.advantages, step.schedule, cfg))
+
+
+def _check_parameters(model: torch.nn.Module, number: int) -> None:
+    """Stop before a policy with non-finite weights can be saved or sampled from."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise SparrowError(f"step {number}: parameter {name} is not finite after the update (learning rate too "
+                               "high?); stopping without saving it")
+
+
+# -- metrics --------------------------------------------------------------------------------------------------
+
+
+def bound_metrics(bounds: torch.Tensor, positions: torch.Tensor, monitor: MonitorSection,
+                  sparse: bool = True) -> tuple[dict, list[str]]:
     """Per length bin: the 5th percentile and mean of the acceptance lower and upper bounds ([N, 2]); a warning
     for each bin whose tail is below tau (upper bound's p5 < tau) or, for sparse rollouts, may be (only the lower
     bound's is). Dense rollouts differ from the dense policy only by numerics, where the loose lower bound of a
     flat distribution would warn for nothing."""
     metrics, warnings, tails = {}, [], {}
     for column, side in enumerate(("lower", "upper")):
-        stats = tail_stats(bounds[:, column].cpu(), positions.cpu(), settings.bin_size)
+        stats = tail_stats(bounds[:, column].cpu(), positions.cpu(), monitor.bin_size)
         metrics[f"mismatch/acceptance_{side}/p5"] = stats["overall"]["p5"]
         metrics[f"mismatch/acceptance_{side}/mean"] = stats["overall"]["mean"]
         for b in stats["bins"]:
             metrics[f"mismatch/bin_{b['start']}/acceptance_{side}_p5"] = b["p5"]
             metrics[f"mismatch/bin_{b['start']}/acceptance_{side}_mean"] = b["mean"]
             tails.setdefault((b["start"], b["end"], b["count"]), []).append(b["p5"])
+    tau = monitor.tau
     for (start, end, count), (low, high) in tails.items():
-        if high < settings.tau:
-            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance is below tau {settings.tau} "
+        if high < tau:
+            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance is below tau {tau} "
                             f"(bounds {low:.3f}..{high:.3f} over {count} tokens)")
-        elif low < settings.tau and sparse:
-            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance may be below tau "
-                            f"{settings.tau} (bounds {low:.3f}..{high:.3f} over {count} tokens; more top-K "
-                            f"log-probs per token (num_logprobs) tighten them)")
+        elif low < tau and sparse:
+            warnings.append(f"length bin [{start}, {end}): 5th percentile of acceptance may be below tau {tau} "
+                            f"(bounds {low:.3f}..{high:.3f} over {count} tokens; more top-K log-probs per token "
+                            "(num_logprobs) or --monitor exact decide it)")
+    return metrics, warnings
+
+
+def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: MonitorSection) -> tuple[dict, list[str]]:
+    """Per length bin: the exact p5 with its 95% interval, mean and share > 0.999; a warning for each bin whose
+    interval lies below tau, and for each undecided one with the number of tokens that would decide it."""
+    tails = bin_tails(alpha.cpu().numpy(), positions.cpu().numpy(), monitor.bin_size, monitor.tau)
+    a = alpha.double()
+    metrics = {"mismatch/exact/p5": float(torch.quantile(a, 0.05)), "mismatch/exact/mean": float(a.mean()),
+               "mismatch/exact/tokens": int(a.numel()), "mismatch/exact/frac_above_0999": float((a > 0.999).double().mean())}
+    warnings = []
+    for t in tails:
+        prefix = f"mismatch/bin_{t.start}/exact"
+        metrics.update({f"{prefix}_p5": t.p5, f"{prefix}_p5_low": t.p5_low, f"{prefix}_p5_high": t.p5_high,
+                        f"{prefix}_mean": t.mean, f"{prefix}_tokens": t.count})
+        where = f"length bin [{t.start}, {t.end}): 5th percentile of exact acceptance"
+        interval = f"{t.p5:.3f} (95% interval {t.p5_low:.3f}..{t.p5_high:.3f}, {t.count} tokens)"
+        if t.verdict == "below":
+            warnings.append(f"{where} is below tau {monitor.tau}: {interval}")
+        elif t.verdict == "undecided":
+            more = (f"about {t.tokens_to_decide} more tokens would decide it" if t.tokens_to_decide is not None
+                    else "it sits at tau")
+            warnings.append(f"{where} is undecided against tau {monitor.tau}: {interval}; {more}")
     return metrics, warnings
 
 
@@ -135,88 +303,20 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
     return counts
 
 
-def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, examples: list[Example],
-              reward_fns: list, schedule: Schedule, settings: StepSettings, seed: int, reference=None,
-              distill=None) -> dict:
-    """Run one step on `examples` and return its metrics (plain floats, TRL/verl-style names; the list
-    `mismatch/warnings` names the length bins whose tail acceptance fell below tau).
-
-    With `distill` (a `sparrow.rl.distill.Distiller`), the recompute and the policy update run with its adapter
-    disabled, and after the policy step the adapter takes its own step (DistillSparse, `distill/...` metrics).
-    """
-    dense = distill.dense if distill is not None else contextlib.nullcontext
-    n = settings.num_generations
-    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                              num_logprobs=settings.num_logprobs,
-                              top_p=settings.top_p, seed=seed)
-    model.eval()
-    clock = time.perf_counter()
-    completions = engine.generate([ex.prompt for ex in examples], sampling, schedule, num_samples=n)
-    timing = {"time/rollout_s": time.perf_counter() - clock}
-    clock = time.perf_counter()
-    prompts = [examples[c.prompt_index].prompt for c in completions]
-    columns = {"answer": [examples[c.prompt_index].answer for c in completions]}
-    for key in examples[0].columns:
-        columns.setdefault(key, [examples[c.prompt_index].columns.get(key) for c in completions])
-    scored = score(reward_fns, prompts, [c.text for c in completions], columns)
-    rewards = torch.tensor(scored.totals, dtype=torch.float32).view(len(examples), n)
-    advantages = grpo_advantages(rewards).flatten()
-    timing["time/reward_s"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-
-    batch = RolloutBatch.from_completions(completions, pad_id=engine.tokenizer.pad_token_id or 0)
-    device = next(model.parameters()).device
-    batch = batch.to(device)
-    advantages = advantages.to(device)
-    with torch.no_grad(), dense():
-        logp_old, bounds = _recompute(model, batch, settings)
-    mismatch, warnings = mismatch_metrics(bounds, batch.positions[batch.mask.bool()], settings,
-                                          sparse=not schedule.is_dense)
-    logp_ref = None
-    if settings.kl_coef > 0:
-        if reference is None:
-            raise SparrowError("kl_coef > 0 needs a reference model")
-        with torch.no_grad():
-            logp_ref = torch.zeros_like(logp_old)
-            for piece in _pieces(batch, torch.arange(len(completions)), settings):
-                logp_ref[piece] = _policy_logprobs(reference, batch, piece, settings.temperature)
-    weights = tis_weights(logp_old, batch.rollout_logprobs, settings.tis_mode, settings.tis_cap)
-    timing["time/recompute_s"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-
-    model.train()
-    order = torch.arange(len(completions))
-    losses, grad_norms, clip_stats, kl_values = [], [], [], []
-    with dense():
-        for mini in order.chunk(settings.mini_batches):
-            optimizer.zero_grad(set_to_none=True)
-            tokens = batch.mask[mini].sum()
-            for micro in _pieces(batch, mini, settings):
-                logp = _policy_logprobs(model, batch, micro, settings.temperature)
-                loss, stats = ppo_clip_loss(logp, logp_old[micro], advantages[micro], batch.mask[micro],
-                                            weights=weights[micro], clip_low=settings.clip_low,
-                                            clip_high=settings.clip_high, dual_clip=settings.dual_clip,
-                                            aggregation=settings.loss_aggregation)
-                if logp_ref is not None:
-                    kl = kl_penalty(logp, logp_ref[micro], settings.kl_estimator)
-                    kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
-                    loss = loss + settings.kl_coef * kl
-                    kl_values.append(float(kl.detach()))
-                share = (batch.mask[micro].sum() / tokens if settings.loss_aggregation == "token-mean"
-                         else torch.tensor(len(micro) / len(mini)))
-                (loss * share).backward()
-                losses.append(float(loss.detach() * share))
-                clip_stats.append(stats)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)))
-            optimizer.step()
-    model.eval()
-    timing["time/update_s"] = time.perf_counter() - clock
-    distilled = distill.step(batch, logp_old, advantages, schedule, settings) if distill is not None else {}
-
+def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
+    """The step's metrics: plain floats with TRL/verl-style names, plus the lists `mismatch/warnings`,
+    `rewards/failures` and the dict `rewards/records`."""
+    batch, completions, rewards = step.batch, step.completions, step.rewards
     valid = batch.mask.bool()
-    diff = (batch.rollout_logprobs - logp_old)[valid].abs()
-    ratio = tis_stats(logp_old, batch.rollout_logprobs, batch.mask, settings.tis_cap)
+    mismatch, warnings = bound_metrics(step.bounds, batch.positions[valid], cfg.monitor,
+                                       sparse=not step.schedule.is_dense)
+    if step.exact is not None and step.exact.numel():
+        exact, warnings = exact_metrics(step.exact, step.exact_at, cfg.monitor)
+        mismatch.update(exact)
+    diff = (batch.rollout_logprobs - step.logp_old)[valid].abs()
+    ratio = tis_stats(step.logp_old, batch.rollout_logprobs, batch.mask, cfg.grpo.tis_cap)
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    records = step.scored.records
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
@@ -224,28 +324,39 @@ def grpo_step(model, engine: RolloutEngine, optimizer: torch.optim.Optimizer, ex
         "completions/mean_length": float(lengths.mean()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "loss": sum(losses) / settings.mini_batches,
-        **({"kl": sum(kl_values) / len(kl_values)} if kl_values else {}),
-        "grad_norm": max(grad_norms),
-        "clip_ratio": sum(s["clip_frac"] for s in clip_stats) / len(clip_stats),
-        "clip_ratio/low_mean": sum(s["clip_frac_low"] for s in clip_stats) / len(clip_stats),
-        "clip_ratio/high_mean": sum(s["clip_frac_high"] for s in clip_stats) / len(clip_stats),
-        "clip_ratio/dual_mean": sum(s["dual_clip_frac"] for s in clip_stats) / len(clip_stats),
-        "learning_rate": optimizer.param_groups[0]["lr"],
+        **step.update,
         "sampling/importance_sampling_ratio/min": ratio["ratio_min"],
         "sampling/importance_sampling_ratio/mean": ratio["ratio_mean"],
         "sampling/importance_sampling_ratio/max": ratio["ratio_max"],
         "sampling/importance_sampling_ratio/frac_truncated": ratio["frac_above_cap"],
         "sampling/sampling_logp_difference/mean": float(diff.mean()),
         "sampling/sampling_logp_difference/max": float(diff.max()),
-        "rewards/records": {name: _status_counts(rows) for name, rows in scored.records.items()},
+        "rewards/records": {name: _status_counts(rows) for name, rows in records.items()},
         "rewards/failures": [{"reward": name, "sample": i, "prompt_index": completions[i].prompt_index, **row}
-                             for name, rows in scored.records.items() for i, row in enumerate(rows)
+                             for name, rows in records.items() for i, row in enumerate(rows)
                              if row["status"] != "ok"][:8],
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
-        "rollout/tokens_per_s": float(lengths.sum()) / timing["time/rollout_s"],
-        **timing,
+        "rollout/tokens_per_s": float(lengths.sum()) / step.timing["time/rollout_s"],
+        **step.timing,
         **mismatch,
-        "mismatch/warnings": warnings,
-        **distilled,
+        "mismatch/warnings": warnings + step.warnings,
     }
+
+
+def grpo_step(policy: Policy, backend: RolloutBackend, examples: list[Example], reward_fns: list,
+              schedule: Schedule, cfg: StepConfig, seed: int, number: int = 0) -> dict:
+    """Run one step (number `number`, for messages) on `examples` and return its metrics (see `step_metrics`).
+
+    With `policy.distiller` (DistillSparse), the recompute and the policy update run with its adapter disabled,
+    and after the policy step the adapter takes its own step (`distill/...` metrics).
+    """
+    step = StepBatch(examples, schedule)
+    policy.model.eval()
+    rollout(backend, step, cfg, seed)
+    score(step, reward_fns)
+    advantages(step, cfg)
+    recompute(policy, step, cfg, number)
+    update(policy, step, cfg, number)
+    with _Clock(step, "sync"):
+        backend.sync_weights(policy.model)
+    return step_metrics(step, cfg)

@@ -2,5 +2,6 @@
 
 from .backend import Prompt, RolloutBackend
 from .native import NativeBackend
+from .prompts import encode_prompt
 
-__all__ = ["NativeBackend", "Prompt", "RolloutBackend"]
+__all__ = ["NativeBackend", "Prompt", "RolloutBackend", "encode_prompt"]

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 from sparrow.engine import Completion, SamplingParams
 from sparrow.schedules import Schedule
 
-Prompt = str | list[dict] | list[int]
+from .prompts import Prompt
 
 
 @runtime_checkable

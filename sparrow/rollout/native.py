@@ -27,12 +27,11 @@ class NativeBackend:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False, apply_chat_template: bool = False) -> list[Completion]:
+                 progress: bool = False) -> list[Completion]:
         scope = contextlib.nullcontext() if adapter else without_adapter(self.engine.model)
         keys = {} if prompt_keys is None else {"prompt_keys": list(prompt_keys)}
         with scope:
-            return self.engine.generate(prompts, sampling, schedule, num_samples,
-                                        apply_chat_template=apply_chat_template, progress=progress, **keys)
+            return self.engine.generate(prompts, sampling, schedule, num_samples, progress=progress, **keys)
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:

@@ -1,0 +1,92 @@
+"""Choosing a rollout backend from the run's options: our engine in this process, or Ray rollout workers.
+
+`ModelSpec` is what a worker in another process needs to build the policy's twin by itself (the same model
+name, dtype, sparse settings and adapter); the trainer then keeps the twin's weights equal to the policy's with
+`sync_weights`. Without workers or an address nothing of Ray is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sparrow.attention import SparseConfig
+from sparrow.errors import SparrowError
+
+from .backend import RolloutBackend
+from .native import NativeBackend
+
+if TYPE_CHECKING:
+    from sparrow.rl.distill import DistillConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build the rollout model in a worker process.
+
+    model, dtype, device: as `sparrow.models.load_model` and the `--model/--dtype/--device` options take them
+    (dtype is the rollout dtype: the workers' weights are cast to it on every sync). distill: the DistillSparse
+    config when the policy carries its LoRA adapter (the twin gets the same adapter, so that `sync_weights` loads
+    the adapter's weights too). adapter: a peft adapter directory loaded onto the model (`--adapter`); it must be
+    readable at the same path on every worker's machine. distill and adapter exclude each other.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    max_batch_size: int = 64
+    distill: DistillConfig | None = None
+    adapter: str | None = None
+
+    def __post_init__(self):
+        from sparrow.models import resolve_dtype
+
+        resolve_dtype(self.dtype)
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) \
+                or self.max_batch_size < 1:
+            raise SparrowError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.distill is not None and self.adapter is not None:
+            raise SparrowError(f"a model spec takes a DistillSparse config or an adapter directory, not both "
+                               f"(got adapter {self.adapter!r} with distill)")
+
+    @property
+    def gpu(self) -> bool:
+        """Whether each worker takes one GPU: a cuda device, or `auto` where this process sees CUDA."""
+        import torch
+
+        return self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+
+    def load(self):
+        """(model, tokenizer) as the policy was built: the model in eval mode, with its adapter if any. A worker
+        with a GPU sees only its own, as `cuda`."""
+        from sparrow.models import load_model, resolve_dtype
+
+        model, tokenizer = load_model(self.model, resolve_dtype(self.dtype), "cuda" if self.gpu else "cpu")
+        if self.distill is not None:
+            from sparrow.rl.distill import attach_adapter
+
+            model = attach_adapter(model, self.distill)
+        elif self.adapter is not None:
+            from sparrow.rl.distill import load_adapter
+
+            model = load_adapter(model, self.adapter)
+        return model.eval(), tokenizer
+
+
+def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_address: str | None = None, log=print,
+                   *, cpus_per_worker: int | None = None, wire_dtype: str | None = None) -> RolloutBackend:
+    """The rollout backend for `--rollout-workers N` / `--ray-address ADDR`.
+
+    workers 0 and no address: `NativeBackend` on `model` itself (Ray is not imported). Otherwise a
+    `RayRolloutBackend` with `workers` actors (1 when only an address is given), each starting from `spec` and
+    synced to `model`'s weights before this returns; see ray_backend.py for `cpus_per_worker` and `wire_dtype`.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise SparrowError(f"rollout_workers must be an integer >= 0 (0: rollouts in this process), got {workers!r}")
+    if workers == 0 and ray_address is None:
+        return NativeBackend(model, tokenizer, spec.sparse, spec.max_batch_size)
+    from .ray_backend import RayRolloutBackend
+
+    return RayRolloutBackend(model, tokenizer, spec, max(workers, 1), ray_address, log=log,
+                             cpus_per_worker=cpus_per_worker, wire_dtype=wire_dtype)

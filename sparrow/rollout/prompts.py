@@ -1,0 +1,25 @@
+"""How a prompt becomes token ids: text, chat messages (always templated) or ids as they are."""
+
+from __future__ import annotations
+
+from sparrow.errors import SparrowError
+
+Prompt = str | list[dict] | list[int]
+
+
+def encode_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt; `apply_chat_template` templates text prompts as one user message."""
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    elif isinstance(prompt, str) and apply_chat_template:
+        return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        raise SparrowError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise SparrowError("a prompt encodes to no tokens")
+    return ids

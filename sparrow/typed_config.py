@@ -1,0 +1,223 @@
+"""Typed configs: (nested) dataclasses built from YAML mappings and command-line values, checked up front.
+
+A config is a dataclass whose fields are options or sections (fields whose type is itself a dataclass). Every
+option has a flat name, unique in the whole config: its field name, or `field(metadata={"flag": ...})` where the
+section would make it ambiguous (the `lr` of the `distill` section is `distill_lr`). The command line uses the
+flat names (`--distill-lr`); a YAML file may use nested sections (`distill: {lr: 1.0e-3}`) or the flat names
+(`distill_lr: 1.0e-3`), and a key that is both a section and an option (`distill: true` / `distill: {...}`) is
+told apart by its value: a mapping is the section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.errors import SparrowError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a config: where it lives (`path` of field names), its flat name, annotation and default."""
+
+    path: tuple[str, ...]
+    name: str
+    annotation: object
+    default: object
+
+    @property
+    def kind(self):
+        return scalar_type(self.annotation)
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.annotation)
+
+
+def scalar_type(tp):
+    """int, float, str, "bool" or "list" for an annotation (Optional[X] -> X)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return scalar_type(args[0]) if len(args) == 1 else str
+    if tp is bool:
+        return "bool"
+    if origin in (list, tuple):
+        return "list"
+    return tp if tp in (int, float, str) else str
+
+
+def item_type(tp):
+    """The element type of a list[X] | None annotation (str when unknown)."""
+    for arg in typing.get_args(tp) or (tp,):
+        if typing.get_origin(arg) in (list, tuple) and typing.get_args(arg):
+            inner = typing.get_args(arg)[0]
+            return inner if inner in (int, float, str) else str
+    return str
+
+
+def _section_type(tp):
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def sections(cls) -> dict[str, type]:
+    """The section fields of a config class and their dataclass types."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and _section_type(hints[f.name])}
+
+
+def options(cls, prefix: tuple[str, ...] = ()) -> list[Option]:
+    """Every option of `cls`, sections included, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if _section_type(hints[f.name]):
+            found += options(hints[f.name], prefix + (f.name,))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        found.append(Option(prefix + (f.name,), f.metadata.get("flag", f.name), hints[f.name], default))
+    names = [o.name for o in found]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{cls.__name__}: option names are not unique: {sorted(n for n in names if names.count(n) > 1)}")
+    return found
+
+
+def _matches(value, kind) -> bool:
+    """Whether a value has the scalar type `kind`; ints pass as floats, booleans never pass as numbers."""
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def check_value(option: Option, value, source: str):
+    """A file's value converted to the option's type (one item where a list is expected becomes a list)."""
+    if value is None:
+        if option.optional:
+            return None
+        raise SparrowError(f"{source}: {option.name} may not be empty (null)")
+    kind = option.kind
+    if kind == "list":
+        value = value if isinstance(value, list) else [value]
+        ok = all(_matches(v, item_type(option.annotation)) for v in value)
+    else:
+        ok = _matches(value, kind)
+    if not ok:
+        wanted = {"bool": "true or false", "list": f"a list of {item_type(option.annotation).__name__}",
+                  int: "an integer", float: "a number"}.get(kind, "a string")
+        raise SparrowError(f"{source}: {option.name} is {value!r}; expected {wanted}")
+    return float(value) if kind is float else value
+
+
+def flatten_mapping(cls, mapping: dict, source: str) -> dict[str, object]:
+    """{flat option name: checked value} from a mapping of nested sections and/or (at the top) flat names."""
+    every = options(cls)
+    by_name = {o.name: o for o in every}
+    values: dict[str, object] = {}
+
+    def walk(section_cls, data: dict, prefix: tuple[str, ...]) -> None:
+        inner = sections(section_cls)
+        own = {o.path[-1]: o for o in every if o.path[:-1] == prefix}
+        for key, value in data.items():
+            if key in inner and isinstance(value, dict):
+                walk(inner[key], value, prefix + (key,))
+                continue
+            option = own.get(key) or (by_name.get(key) if not prefix else None)
+            if option is None:
+                where = ".".join(prefix)
+                known = sorted(own) + sorted(inner) if prefix else sorted(set(by_name) | set(inner))
+                raise SparrowError(f"{source}: unknown option {(where + '.' if where else '') + str(key)!r}; "
+                                   f"known{' in ' + where if where else ''}: {', '.join(known)}")
+            values[option.name] = check_value(option, value, source)
+
+    walk(cls, mapping, ())
+    return values
+
+
+def load_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file, or a SparrowError saying what is wrong with the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SparrowError(f"config file {str(path)!r} does not exist" if not path.exists()
+                           else f"config file {str(path)!r} is not a file")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise SparrowError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except yaml.YAMLError as err:
+        raise SparrowError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(loaded, dict):
+        raise SparrowError(f"config file {str(path)!r} must hold a mapping of option: value")
+    return loaded
+
+
+def build(cls, values: dict[str, object]):
+    """An instance of `cls` from {flat option name: value}; unset options keep their defaults."""
+    by_path = {o.path: o.name for o in options(cls)}
+
+    def make(section_cls, prefix):
+        kwargs = {}
+        for f in dataclasses.fields(section_cls):
+            if not f.init:
+                continue
+            path = prefix + (f.name,)
+            inner = sections(section_cls).get(f.name)
+            if inner is not None:
+                kwargs[f.name] = make(inner, path)
+            elif by_path[path] in values:
+                kwargs[f.name] = values[by_path[path]]
+        try:
+            return section_cls(**kwargs)
+        except TypeError as err:
+            raise SparrowError(f"bad config: {err}") from None
+
+    unknown = sorted(set(values) - set(by_path.values()))
+    if unknown:
+        raise SparrowError(f"unknown option(s) {unknown}")
+    return make(cls, ())
+
+
+def from_mapping(cls, mapping: dict, source: str = "config"):
+    """Build and validate `cls` from a (nested or flat) mapping, as a YAML file holds it."""
+    config = build(cls, flatten_mapping(cls, mapping, source))
+    config.validate()
+    return config
+
+
+def to_flat(config) -> dict[str, object]:
+    """{flat option name: value} of a config instance (what a checkpoint saves and a resume compares)."""
+    flat = {}
+    for option in options(type(config)):
+        value = config
+        for part in option.path:
+            value = getattr(value, part)
+        flat[option.name] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def to_nested(config) -> dict:
+    """The config as nested sections of plain values (for YAML and the run's saved config)."""
+    return {f.name: to_nested(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))
+            else getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def check_finite(name: str, value, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """A SparrowError unless `value` is a finite number within the bounds (open or closed)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        left = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        right = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        bounds = " and ".join(b for b in (left, right) if b)
+        raise SparrowError(f"{name} must be a finite number{' ' + bounds if bounds else ''}, got {value!r}")
