@@ -23,11 +23,12 @@ _fork = multiprocessing.get_context("fork")  # the children start at once: no se
 def _hold(path, ready, spawn_child):
     """Take the run lock, optionally fork a long-lived child (a reward worker), report, then wait to be killed."""
     RunLock(path, log=lambda _: None).acquire()
-    child = os.fork() if spawn_child else None
-    if child == 0:
+    if not spawn_child:
+        ready.send(None)
+    elif os.fork() == 0:
+        ready.send(os.getpid())  # sent once the child runs, after the fork hooks
         time.sleep(60)
         os._exit(0)
-    ready.send(child)
     time.sleep(60)
 
 
