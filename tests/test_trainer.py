@@ -8,7 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sparrow.errors import SparrowError
-from sparrow.rl.trainer import TrainConfig, train
+from sparrow.rl.config import TrainConfig
+from sparrow.rl.trainer import train
+from sparrow.typed_config import build, flatten_mapping, from_mapping
 
 
 def byte_mean(prompts, completions, **_):
@@ -26,7 +28,7 @@ def _config(data, out, **overrides):
     values = dict(model="tiny-qwen3", data=str(data), reward=["tests.test_trainer:byte_mean"], steps=2,
                   prompts_per_step=2, num_generations=3, max_new_tokens=8, learning_rate=1e-3,
                   schedule="const:48", micro_batch_size=4, output_dir=str(out))
-    return TrainConfig(**{**values, **overrides})
+    return build(TrainConfig, {**values, **overrides})
 
 
 def _weights(path):
@@ -80,7 +82,9 @@ def test_bad_configs_stop_before_any_work(data, tmp_path, overrides, message):
 
 @pytest.mark.parametrize("text, message", [
     ("steps: [1\n", "is not valid YAML"),
-    ("stepz: 3\n", "unknown option(s) ['stepz']"),
+    ("stepz: 3\n", "unknown option 'stepz'"),
+    ("grpo: {stepz: 3}\n", "unknown option 'grpo.stepz'"),
+    ("grpo: {steps: many}\n", "steps is 'many'; expected an integer"),
     ("steps: many\n", "steps is 'many'; expected an integer"),
     ("learning_rate: fast\n", "learning_rate is 'fast'; expected a number"),
     ("reward: [1, 2]\n", "reward is [1, 2]; expected a list of str"),
@@ -147,11 +151,56 @@ def test_report_compares_runs_with_plots(data, tmp_path):
         assert (tmp_path / "r" / plot).stat().st_size > 1000
 
 
-def test_the_gpu_example_config_names_only_known_options():
-    import dataclasses
-
+@pytest.mark.parametrize("path", ["examples/tiny.yaml", "examples/tiny-distill.yaml", "examples/qwen3-1.7b-gpu.yaml",
+                                  "examples/smollm2-passkey.yaml", "examples/smollm2-distill.yaml"])
+def test_the_example_configs_name_only_known_options(path):
     import yaml
 
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    for path in ("examples/tiny.yaml", "examples/qwen3-1.7b-gpu.yaml", "examples/smollm2-passkey.yaml"):
-        assert set(yaml.safe_load(open(path))) <= known, path
+    flatten_mapping(TrainConfig, yaml.safe_load(open(path)), path)
+
+
+def test_nested_sections_and_flat_names_build_the_same_config(data, tmp_path):
+    flat = from_mapping(TrainConfig, {"data": str(data), "learning_rate": 3e-4, "distill": True, "distill_lr": 0.01,
+                                      "eval_every": 3, "model": "tiny-llama", "reward": ["tests.test_trainer:byte_mean"]})
+    nested = from_mapping(TrainConfig, {"data": {"path": str(data), "reward": ["tests.test_trainer:byte_mean"]},
+                                        "grpo": {"learning_rate": 3e-4}, "distill": {"enabled": True, "lr": 0.01},
+                                        "eval": {"every": 3}, "model": {"name": "tiny-llama"}})
+    assert flat == nested and flat.grpo.learning_rate == 3e-4 and flat.distill.lr == 0.01
+    assert flat.parsed.schedule.is_dense and flat.model.name == "tiny-llama"
+
+
+def test_a_resume_with_changed_options_is_refused_unless_allowed(data, tmp_path):
+    out = tmp_path / "run"
+    train(_config(data, out, steps=1), log=lambda *_: None)
+    with pytest.raises(SparrowError, match=r"grpo.learning_rate: 0.001 -> 0.002"):
+        train(_config(data, out, steps=2, resume=True, learning_rate=2e-3), log=lambda *_: None)
+    with pytest.raises(SparrowError, match="cannot change in a resumed run even with --allow-changes"):
+        train(_config(data, out, steps=2, resume=True, allow_changes=True, seed=5), log=lambda *_: None)
+    logged = []
+    train(_config(data, out, steps=2, resume=True, allow_changes=True, eval_every=7), log=logged.append)
+    assert any("changed option: eval.every: 10 -> 7" in line for line in logged)
+
+
+def test_a_resume_repairs_the_metrics_log_and_skips_a_damaged_newest_checkpoint(data, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(_config(data, full, steps=3), log=lambda *_: None)
+    train(_config(data, split, steps=3), log=lambda *_: None)
+    (split / "checkpoint-3" / "model.safetensors").write_bytes(b"garbage")  # the newest checkpoint is damaged
+    with open(split / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 4, "reward/me')  # a torn line of a killed write
+    logged = []
+    train(_config(data, split, steps=3, resume=True), log=logged.append)
+    assert any("skipping damaged checkpoint" in line and "checkpoint-3" in line for line in logged)
+    rows = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    a, b = _weights(full / "checkpoint-3"), _weights(split / "checkpoint-3")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_run_on_a_locked_directory_stops_at_once(data, tmp_path):
+    from sparrow.rl.run_dir import RunLock
+
+    out = tmp_path / "locked"
+    with RunLock(out, log=lambda *_: None):
+        with pytest.raises(SparrowError, match=f"pid {__import__('os').getpid()}"):
+            train(_config(data, out, steps=1), log=lambda *_: None)

@@ -9,7 +9,6 @@ not, DistillSparse's schedule switch, is saved in the checkpoint's trainer state
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -18,14 +17,16 @@ import torch
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
+from sparrow.io import append_jsonl
 from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rollout import NativeBackend
 from sparrow.typed_config import to_nested
 
-from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
 from .distill import Distiller, SwitchState, attach_adapter, base_parameters, observe_probe, probe
 from .report import write_report
+from .run_dir import RunLock, check_resume_config, repair_metrics
 from .step import Policy, grpo_step
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
@@ -53,11 +54,42 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
 
 
 def train(config: TrainConfig, log=_print) -> list[dict]:
-    """Run (or resume) the configured steps; returns this invocation's per-step metrics."""
+    """Run (or resume) the configured steps; returns this invocation's per-step metrics. The output directory is
+    locked for the run: a second run on it stops at once."""
     if config.parsed is None:
         config.validate()
+    with RunLock(config.run.output_dir, log=log):
+        return _train(config, log)
+
+
+def _resume_point(config: TrainConfig, out: Path, log) -> tuple[int, Path] | None:
+    """The checkpoint to resume from (damaged newer ones skipped), after checking that the run's options are the
+    saved ones (or changed only where --allow-changes permits; `steps` may always grow); metrics logs are cut
+    back to its step."""
+    if not config.run.resume:
+        if (out / "metrics.jsonl").exists():
+            raise SparrowError(f"{out} already holds a run; pass --resume to continue it or choose another "
+                               "--output-dir")
+        return None
+    found = latest_valid_checkpoint(out, log)
+    if found is None:
+        return None
+    step, path = found
+    saved = read_trainer_state(path).get("config", {})
+    if isinstance(saved.get("grpo"), dict):  # a run resumed to go further is the same run
+        saved["grpo"]["steps"] = config.grpo.steps
+    changes = check_resume_config(saved, to_nested(config), config.run.allow_changes, str(path))
+    for change in changes:
+        log(f"resuming with a changed option: {change}")
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        repair_metrics(out / name, step, log)
+    return found
+
+
+def _train(config: TrainConfig, log) -> list[dict]:
     run, grpo = config.run, config.grpo
     out = Path(run.output_dir)
+    resume_from = _resume_point(config, out, log)
     spec = DataSpec(config.data.path, config.data.prompt_field, config.data.answer_field)
     examples, probes = _probe_split(config, load_examples(spec))
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
@@ -65,15 +97,11 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
     schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
     adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
     start, switch = 0, SwitchState()
-    if run.resume and (found := list_checkpoints(out)):
-        step, path = found[-1]
-        state = load_checkpoint(path, policy.model, policy.optimizer, adapter_optimizer)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
         start, switch = state["step"], SwitchState.from_json(state.get("switch"))
         backend.sync_weights(policy.model)
-        log(f"resumed from {path} at step {start}")
-    elif (out / "metrics.jsonl").exists() and not run.resume:
-        raise SparrowError(f"{out} already holds a run; pass --resume to continue it or choose another --output-dir")
-    out.mkdir(parents=True, exist_ok=True)
+        log(f"resumed from {resume_from[1]} at step {start}")
     from torch.utils.tensorboard import SummaryWriter
 
     board = SummaryWriter(str(out / "tensorboard"))
@@ -91,8 +119,7 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
             switch, probed = _probe_step(config, policy, backend, probes, candidate, switch, step + 1, log)
             metrics.update(probed)
         metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}
-        with open(out / "metrics.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(metrics) + "\n")
+        append_jsonl(out / "metrics.jsonl", metrics)
         history.append(metrics)
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and name != "step":
@@ -127,8 +154,7 @@ def _evaluate(config: TrainConfig, backend, examples: list, rewards: list, step:
     k = config.eval.generations
     result = evaluate(backend, examples, rewards, config.parsed.eval_schedule, sampling, k, adapter=False)
     row = {"step": step, **{f"eval/{key}": v for key, v in result.items()}, "time/eval_s": time.perf_counter() - clock}
-    with open(out / "eval.jsonl", "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row) + "\n")
+    append_jsonl(out / "eval.jsonl", row)
     for name, value in row.items():
         if name != "step" and isinstance(value, (int, float)):
             board.add_scalar(name, value, step)
