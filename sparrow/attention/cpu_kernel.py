@@ -6,19 +6,31 @@ same in one call, reading the pages once in place; on a CPU that is most of the 
 It is built on first use with the C++ compiler torch uses (cached by torch under ~/.cache/torch_extensions,
 compiled for this CPU with -march=native). Anything that stops it from building leaves the pure-PyTorch path
 in charge, with one warning. SPARROW_CPU_KERNEL=0 turns it off.
+
+Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway used to hang
+every later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and
+still finds torch's `lock` knows the build that made it is dead, and starts over from an empty build directory.
+Waiting for another process's build is bounded (`BUILD_WAIT_S`), after which this process uses the PyTorch path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 _SOURCE = Path(__file__).parent / "csrc" / "sparse_decode.cpp"
 _NAME = "sparrow_sparse_decode"
+_GUARD = "sparrow-build.lock"
+BUILD_WAIT_S = 300.0  # a build takes about 30 s; far longer means the builder is stuck
 _module = None
 _tried = False
 
@@ -37,15 +49,62 @@ def load():
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
-        if not any(Path(_get_build_directory(_NAME, verbose=False)).glob("*.so")):
-            print("sparrow: building the CPU sparse-decode kernel (once, about 30 s)", file=sys.stderr)
-        _module = build(name=_NAME, sources=[str(_SOURCE)],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-                        extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
+        build_dir = Path(_get_build_directory(_NAME, verbose=False))
+        with build_guard(build_dir, BUILD_WAIT_S) as free:
+            if not free:
+                raise TimeoutError(f"another process has held the build lock of {build_dir} for over "
+                                   f"{BUILD_WAIT_S:g} s")
+            if not any(build_dir.glob("*.so")):
+                _say("building the CPU sparse-decode kernel (once, about 30 s)")
+            _module = build(name=_NAME, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+                            extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
     except Exception as err:  # a missing compiler or ninja must not break generation
         warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({err})")
         _module = None
     return _module
+
+
+def _say(message: str) -> None:
+    print(f"sparrow: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def build_guard(build_dir: Path, wait_s: float, log=_say) -> Iterator[bool]:
+    """Hold the build lock of `build_dir` for the body; yields False instead if another process held it for
+    `wait_s` seconds. With the lock held, a torch `lock` file left in `build_dir` is a killed build's: it and the
+    build's partial outputs are removed (with a message) so that torch builds afresh instead of waiting forever."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / _GUARD, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        deadline, told = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                if not told:
+                    pid = os.pread(fd, 32, 0).decode("ascii", "replace")
+                    log(f"waiting for {f'pid {pid}' if pid else 'another process'} to finish building the CPU "
+                        f"kernel in {build_dir} (at most {wait_s:g} s)")
+                    told = True
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
+        if (build_dir / "lock").exists():
+            log(f"removing {build_dir / 'lock'} and the partial build of a kernel build that was killed; building "
+                "again")
+            for path in build_dir.iterdir():
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                elif path.name != _GUARD:
+                    path.unlink()
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def usable(query: torch.Tensor) -> bool:
