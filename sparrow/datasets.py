@@ -65,7 +65,8 @@ def load_examples(spec: DataSpec) -> list[Example]:
     if not path.exists():
         raise SparrowError(f"data file {str(path)!r} does not exist")
     if not path.is_file():
-        raise SparrowError(f"data file {str(path)!r} is not a file")
+        raise SparrowError(f"data file {str(path)!r} is a directory; expected a file" if path.is_dir()
+                           else f"data file {str(path)!r} is not a regular file")
     if path.stat().st_size == 0:
         raise SparrowError(f"data file {str(path)!r} is empty; expected at least one row")
     if suffix == ".parquet":

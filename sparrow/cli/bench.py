@@ -32,8 +32,8 @@ class BenchConfig(ModelOptions):
         for name in ("context", "batch", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise SparrowError(f"warmup must be >= 0, got {self.warmup}")
+        if self.warmup < 0 or self.seed < 0:
+            raise SparrowError(f"warmup and seed must be >= 0, got {self.warmup} and {self.seed}")
         if self.parsed_schedule().is_dense:
             raise SparrowError("bench compares dense with a sparse schedule; give --schedule other than 'dense'")
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from sparrow.attention import SparseConfig
+from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rl.distill import check_adapter_dir, load_adapter
 from sparrow.schedules import Schedule, parse_schedule
@@ -63,3 +65,31 @@ class ModelOptions:
         if self.adapter is not None:
             model = load_adapter(model, self.adapter)
         return model, tokenizer
+
+
+def require_file(path: str | None, what: str) -> Path:
+    """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
+    if path is None:
+        raise SparrowError(f"give the {what}")
+    found = Path(path)
+    if not found.exists():
+        raise SparrowError(f"{what} {path!r} does not exist")
+    if not found.is_file():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file" if found.is_dir()
+                           else f"{what} {path!r} is not a regular file")
+    return found
+
+
+def check_output(path: str, what: str, directory: bool) -> None:
+    """Refuse, before any work, an output that cannot be made: an existing file where a directory goes (or an
+    existing directory where a file goes), or a path under an existing file."""
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise SparrowError(f"{what} {path!r} is an existing file; expected a directory (existing or new)")
+    if not directory and target.is_dir():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file name")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SparrowError(f"{what} {path!r} lies under {str(parent)!r}, which is a file, not a directory")
+            return

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from sparrow.datasets import DataSpec, load_examples
 from sparrow.engine import RolloutEngine, SamplingParams
@@ -12,7 +12,7 @@ from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.rewards import load_reward
 
-from .common import MODEL_HELP, ModelOptions
+from .common import MODEL_HELP, ModelOptions, require_file
 from .config import add_config_options, load_config
 
 
@@ -32,10 +32,13 @@ class EvalConfig(ModelOptions):
 
     def validate(self) -> None:
         super().validate()
-        if self.data is None or not Path(self.data).is_file():
-            raise SparrowError(f"give an existing --data file, got {self.data!r}")
+        if self.data is None:
+            raise SparrowError("give the prompt data: --data FILE.jsonl|.parquet")
+        require_file(self.data, "data file")
         if self.k < 1:
             raise SparrowError(f"k must be >= 1, got {self.k}")
+        if not math.isfinite(self.threshold):
+            raise SparrowError(f"threshold must be a finite total reward, got {self.threshold}")
         self.rewards()
         self.sampling()
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.io import read_jsonl
 
-from .common import MODEL_HELP, ModelOptions
+from .common import MODEL_HELP, ModelOptions, require_file
 from .config import add_config_options, load_config
 
 
@@ -35,8 +34,8 @@ class GenerateConfig(ModelOptions):
         super().validate()
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
-        if self.prompts is not None and not Path(self.prompts).is_file():
-            raise SparrowError(f"prompts file {self.prompts!r} does not exist")
+        if self.prompts is not None:
+            require_file(self.prompts, "prompts file")
         if self.num_samples < 1:
             raise SparrowError(f"num_samples must be >= 1, got {self.num_samples}")
         self.sampling()

@@ -9,6 +9,7 @@ from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
 from sparrow.tasks import passkey, records
 
+from .common import check_output
 from .config import add_config_options, load_config
 
 TASKS = {"records": records.make_prompts, "passkey": passkey.make_prompts}
@@ -28,6 +29,10 @@ class PromptsConfig:
             raise SparrowError(f"unknown task {self.task!r}: expected one of {', '.join(TASKS)}")
         if self.count < 1 or self.min_tokens < 1:
             raise SparrowError(f"count and min_tokens must be >= 1, got {self.count} and {self.min_tokens}")
+        if self.seed < 0:
+            raise SparrowError(f"seed must be >= 0, got {self.seed}")
+        if self.out:
+            check_output(self.out, "output file", directory=False)
 
 
 HELP = {

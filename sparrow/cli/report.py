@@ -6,8 +6,11 @@ from pathlib import Path
 
 from sparrow.rl.report import write_report
 
+from .common import check_output
+
 
 def run(args) -> int:
+    check_output(args.out, "output directory", directory=True)
     report = write_report([Path(d) for d in args.runs], Path(args.out))
     print(f"wrote {report}")
     return 0
