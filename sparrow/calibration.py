@@ -24,6 +24,61 @@ class BinChoice:
     source: str
 
 
+_BIN_FIELDS = {"bin": int, "start": int, "end": int, "count": int, "p5": (int, float)}
+_BUDGET_FIELDS = {"start": int, "kv_budget": int}
+
+
+def _field_problem(item, fields: dict) -> str | None:
+    """What is wrong with one bin or budget object, or None."""
+    if not isinstance(item, dict):
+        return f"{item!r} is not an object"
+    for name, kind in fields.items():
+        value = item.get(name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            expected = "an integer" if kind is int else "a number"
+            return f"{name} is {_short(value)}; expected {expected}" if name in item else f"has no {name!r}"
+    return None
+
+
+def check_profile(profile, source: str = "the profile") -> None:
+    """A SparrowError naming the first part of `profile` that is not what 'sparrow profile' writes: an object with
+    "schedules" holding, per schedule, a list of "bins" ({bin, start, end, count, p5}) and optionally its
+    "budgets" ({start, kv_budget}), and an optional "meta" object."""
+    if not isinstance(profile, dict):
+        raise SparrowError(f"{source} holds a JSON {type(profile).__name__}; expected the object 'sparrow profile' "
+                           "writes (with 'schedules')")
+    meta = profile.get("meta", {})
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k, {}), dict) for k in ("sparse", "sampling")):
+        raise SparrowError(f"{source}: 'meta' is {_short(meta)}; expected an object (as 'sparrow profile' writes)")
+    for where, value, kind in (("meta.sparse.page_size", meta.get("sparse", {}).get("page_size", 16), int),
+                               ("meta.sampling.max_new_tokens", meta.get("sampling", {}).get("max_new_tokens", 1), int),
+                               ("meta.prompt_tokens_mean", meta.get("prompt_tokens_mean", 1), (int, float)),
+                               ("meta.model", meta.get("model", ""), str)):
+        if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 1):
+            expected = {int: "a positive integer", str: "a model name"}.get(kind, "a number")
+            raise SparrowError(f"{source}: {where} is {_short(value)}; expected {expected}")
+    schedules = profile.get("schedules")
+    if not isinstance(schedules, dict) or not schedules:
+        raise SparrowError(f"{source} holds no schedules; expected a non-empty 'schedules' object")
+    for name, spec in schedules.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("bins"), list):
+            raise SparrowError(f"{source}: schedule {name!r} has no 'bins' list; expected the per-length-bin "
+                               "statistics 'sparrow profile' writes")
+        if not isinstance(spec.get("budgets") or [], list):
+            raise SparrowError(f"{source}: schedule {name!r} has budgets {_short(spec['budgets'])}; expected a list")
+        for what, items, fields in (("bin", spec["bins"], _BIN_FIELDS),
+                                    ("budget", spec.get("budgets") or [], _BUDGET_FIELDS)):
+            for position, item in enumerate(items):
+                problem = _field_problem(item, fields)
+                if problem is not None:
+                    raise SparrowError(f"{source}: schedule {name!r}, {what} {position}: {problem}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -43,15 +98,14 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     """The calibrated schedule and, per bin, what was chosen and why."""
     if not 0.0 < tau <= 1.0:
         raise SparrowError(f"tau must be in (0, 1], got {tau}")
-    if margin < 0:
-        raise SparrowError(f"margin must be >= 0, got {margin}")
+    if not 0.0 <= margin < 1.0:
+        raise SparrowError(f"margin must be in [0, 1), got {margin}")
+    check_profile(profile)
     meta = profile.get("meta", {})
     if meta.get("length_origin", "total") != "total":
         raise SparrowError("calibration needs a profile binned by total cached length (--length-origin total), "
                            "the length schedules are keyed by")
-    schedules = profile.get("schedules") or {}
-    if not schedules:
-        raise SparrowError("the profile holds no schedules")
+    schedules = profile["schedules"]
     by_bin: dict[int, list[tuple[int, float, int, str]]] = {}
     edges: dict[int, tuple[int, int]] = {}
     for name, spec in schedules.items():

@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.calibration import calibrate
+from sparrow.calibration import calibrate, check_profile
 from sparrow.cost_model import compare, hardware
 from sparrow.errors import SparrowError
 from sparrow.schedules import write_schedule_json
 
+from .common import check_output, require_file
 from .config import add_config_options, load_config
 from .cost import model_dims
 
@@ -30,8 +31,8 @@ class CalibrateConfig:
     def validate(self) -> None:
         if self.profile is None:
             raise SparrowError("give --profile DIR/profile.json (made by 'sparrow profile')")
-        if not Path(self.profile).is_file():
-            raise SparrowError(f"profile {self.profile!r} does not exist")
+        require_file(self.profile, "profile")
+        check_output(self.out, "output file", directory=False)
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
         hardware(self.hardware, self.peak_flops, self.bandwidth)
@@ -50,12 +51,21 @@ HELP = {
 }
 
 
+def read_profile(path: str) -> dict:
+    """The profile.json at `path`, checked to have the shape 'sparrow profile' writes."""
+    try:
+        profile = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise SparrowError(f"profile {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise SparrowError(f"profile {path!r} is not valid JSON: {err}") from None
+    check_profile(profile, f"profile {path!r}")
+    return profile
+
+
 def run(args) -> int:
     config = load_config(CalibrateConfig, args)
-    try:
-        profile = json.loads(Path(config.profile).read_text())
-    except json.JSONDecodeError as err:
-        raise SparrowError(f"profile {config.profile!r} is not valid JSON: {err}") from None
+    profile = read_profile(config.profile)
     meta = profile.get("meta", {})
     page_size = meta.get("sparse", {}).get("page_size", 16)
     schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size)
