@@ -13,6 +13,7 @@ Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts ar
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,8 +127,8 @@ def hardware(name: str, peak_flops: float | None = None, bandwidth: float | None
     """A preset by name, with either number overridable; `cpu` needs both numbers."""
     key = str(name).strip().lower()
     for what, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
-        if value is not None and not value > 0:
-            raise SparrowError(f"{what} must be a positive number, got {value!r}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
     if key == "cpu":
         missing = [flag for flag, value in (("--peak-flops", peak_flops), ("--bandwidth", bandwidth)) if value is None]
         if missing:
@@ -197,8 +198,8 @@ def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, by
     if landmark not in LANDMARKS:
         raise SparrowError(f"unknown landmark {landmark!r}: expected one of {', '.join(LANDMARKS)}")
     for what, value in (("bytes_per_param", bytes_per_param), ("bytes_per_kv", bytes_per_kv)):
-        if not value > 0:
-            raise SparrowError(f"{what} must be positive, got {value!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
 
 
 def _budget_pages(budget: np.ndarray, page_size: int) -> np.ndarray:
