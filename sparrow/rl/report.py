@@ -15,13 +15,31 @@ from sparrow.io import atomic_write_text, read_jsonl
 PHASES = ("rollout", "reward", "recompute", "update")
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read_rows(path: Path, required: tuple[str, ...]) -> list[dict]:
+    """The rows of a run's JSONL file; a row without a number under each `required` key (a key ending in "@" stands
+    for any key starting with it, e.g. "eval/mean@4") is an error naming the file, line and key."""
+    numbered = read_jsonl(path)
+    for number, row in numbered:
+        for key in required:
+            found = [k for k in row if k.startswith(key)] if key.endswith("@") else [key]
+            if not found or not all(_is_number(row.get(k)) for k in found):
+                shown = f"{key}k" if key.endswith("@") else key
+                raise SparrowError(f"{path}:{number}: no number under {shown!r}; expected a row written by "
+                                   "'sparrow train'")
+    return [row for _, row in numbered]
+
+
 def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
     runs = {}
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
         if not path.is_file():
             raise SparrowError(f"{run} has no metrics.jsonl; is it a 'sparrow train' output directory?")
-        runs[Path(run).name] = [row for _, row in read_jsonl(path)]
+        runs[Path(run).name] = _read_rows(path, ("step", "reward/mean"))
     return runs
 
 
@@ -40,7 +58,8 @@ def _plot_curves(runs: dict, keys: list[tuple[str, str]], path: Path, title: str
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run may lack a metric; an empty legend only warns
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -53,7 +72,7 @@ def load_evals(run_dirs: list[Path]) -> dict[str, list[dict]]:
     for run in run_dirs:
         path = Path(run) / "eval.jsonl"
         if path.is_file():
-            rows = [row for _, row in read_jsonl(path)]
+            rows = _read_rows(path, ("step", "eval/mean@"))
             for row in rows:
                 row["eval/mean"] = next(v for k, v in row.items() if k.startswith("eval/mean@"))
             evals[Path(run).name] = rows
@@ -63,6 +82,10 @@ def load_evals(run_dirs: list[Path]) -> dict[str, list[dict]]:
 def _median(rows: list[dict], key: str) -> float:
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return median(values) if values else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def _plot_phases(runs: dict, path: Path) -> None:
@@ -95,7 +118,7 @@ def _bins(rows: list[dict]) -> list[str]:
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     """report.md plus curves.png, mismatch.png and phases.png in `out_dir`; rollout speed is relative to the
     first run given (pass the dense-rollout run first to read sparse speedups)."""
-    runs = load_runs(run_dirs)
+    runs, evals = load_runs(run_dirs), load_evals(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_curves(runs, [("reward/mean", "mean reward"), ("completions/mean_length", "mean response length")],
                  out_dir / "curves.png", "Reward and length")
@@ -117,8 +140,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      f"{sum(lengths) / len(lengths):.1f} | "
                      + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
-                     f"{base_rollout / _median(rows, 'time/rollout_s'):.2f}x |")
-    evals = load_evals(run_dirs)
+                     f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x |")
     if evals:
         _plot_curves(evals, [("eval/mean", "held-out mean reward")], out_dir / "heldout.png", "Held-out reward")
         lines += ["", "Held-out reward (mean over samples) at the first and last evaluation:", ""]
