@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from tqdm import std as tqdm_std
 from transformers.utils import logging as hf_logging
 
 from sparrow.errors import SparrowError
@@ -12,6 +14,11 @@ from sparrow.errors import SparrowError
 from . import bench, calibrate, cost, evaluate, generate, profile, prompts, report, schedule, train
 
 COMMANDS = (schedule, generate, bench, prompts, profile, calibrate, cost, train, evaluate, report)
+
+EXIT_BAD_INPUT = 2
+EXIT_BROKEN_PIPE = 128 + 13
+"""What a shell reports for a writer killed by SIGPIPE (`yes | head`): the reader of stdout went away."""
+EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,13 +34,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
     try:
-        return args.run(args) or 0
-    except SparrowError as err:
-        print(f"sparrow {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = args.run(args) or 0
+        sys.stdout.flush()  # a closed pipe shows up here at the latest, while it can still be handled
+        return code
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    except (SparrowError, OSError) as err:
+        _print_error(args.command, err if isinstance(err, SparrowError) else _one_line(err))
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"sparrow {args.command}: interrupted", file=sys.stderr)
-        return 130
+        _print_error(args.command, "interrupted", prefix="")
+        return EXIT_INTERRUPTED
+
+
+def _print_error(command: str, message, prefix: str = "error: ") -> None:
+    """`sparrow CMD: error: MESSAGE` on a line of its own: progress bars the error left open are closed first and
+    pending standard output is written, so the message never lands in the middle of either."""
+    for bar in list(tqdm_std.tqdm._instances):  # tqdm's registry of live bars (no public accessor)
+        bar.close()
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        _discard_stdout()
+    print(f"sparrow {command}: {prefix}{message}", file=sys.stderr)
+
+
+def _one_line(err: OSError) -> str:
+    """An operating-system error as one line naming the file, e.g. "'out.json': Permission denied"."""
+    if err.filename is None:
+        return " ".join(str(err).split())
+    names = repr(str(err.filename)) + (f" -> {str(err.filename2)!r}" if err.filename2 is not None else "")
+    return f"{names}: {err.strerror or err}"
+
+
+def _discard_stdout() -> None:
+    """Point the stdout file descriptor at /dev/null once its reader is gone, so the interpreter's final flush does
+    not raise a second BrokenPipeError (the recipe of Python's signal docs). Standard output that is not a real
+    file (captured in tests) has nothing to redirect."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":
