@@ -1,5 +1,6 @@
 """Rollout engine behaviour: sampling controls, stopping, shared prefills, records per token."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,17 +49,18 @@ def test_top_k_one_is_greedy_and_logprobs_are_before_truncation(llama):
 
 def test_sampler_top_p_keeps_the_smallest_prefix_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    drawn = {int(sample(logits, SamplingParams(top_p=0.7, seed=0), gen).tokens) for _ in range(200)}
-    assert drawn == {0, 1}
-    step = sample(logits, SamplingParams(num_logprobs=2), gen)
+    uniforms = torch.linspace(0, 1 - 1e-12, 200, dtype=torch.float64)
+    drawn = sample(logits.expand(200, -1), SamplingParams(top_p=0.7, seed=0), uniforms).tokens
+    assert set(drawn.tolist()) == {0, 1}
+    assert (drawn == 0).sum() == 125  # the nucleus {0.5, 0.3} renormalized: u < 0.625 picks token 0
+    step = sample(logits, SamplingParams(num_logprobs=2), torch.tensor([0.5]))
     assert step.top_ids.tolist() == [[0, 1]]
     assert torch.allclose(step.top_logprobs.exp(), torch.tensor([[0.5, 0.3]]))
 
 
 def test_temperature_scales_the_reported_logprobs():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
-    step = sample(logits, SamplingParams(temperature=0.5, num_logprobs=3), torch.Generator().manual_seed(0))
+    step = sample(logits, SamplingParams(temperature=0.5, num_logprobs=3), torch.tensor([0.3]))
     assert torch.allclose(step.top_logprobs, torch.log_softmax(logits / 0.5, -1).sort(descending=True).values)
 
 
@@ -103,6 +105,33 @@ def test_too_long_a_request_and_bad_settings_fail_clearly(llama):
         engine.generate(["x"], num_samples=0)
     with pytest.raises(SparrowError, match="not a positive multiple"):
         engine.generate(["x"], schedule=const(40))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("inf"), "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("temperature", float("nan"), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    ("temperature", -0.5, "temperature must be a finite number >= 0 (0 = greedy), got -0.5"),
+    ("top_p", float("nan"), "top_p must be a number in (0, 1], got nan"),
+    ("top_p", float("inf"), "top_p must be a number in (0, 1], got inf"),
+    ("top_p", 0.0, "top_p must be a number in (0, 1], got 0.0"),
+    ("top_k", float("inf"), "top_k must be an integer >= 0, got inf"),
+    ("top_k", 2.5, "top_k must be an integer >= 0, got 2.5"),
+    ("top_k", -1, "top_k must be an integer >= 0, got -1"),
+    ("seed", -1, "seed must be an integer >= 0, got -1"),
+    ("seed", 1.5, "seed must be an integer >= 0, got 1.5"),
+    ("max_new_tokens", float("nan"), "max_new_tokens must be an integer >= 1, got nan"),
+    ("max_new_tokens", 0, "max_new_tokens must be an integer >= 1, got 0"),
+    ("num_logprobs", -1, "num_logprobs must be an integer >= 0, got -1"),
+])
+def test_sampling_params_reject_values_naming_them_and_what_was_expected(field, value, message):
+    with pytest.raises(SparrowError) as caught:
+        SamplingParams(**{field: value})
+    assert str(caught.value) == message
+
+
+def test_sampling_params_accept_numpy_integers_as_plain_ints():
+    params = SamplingParams(seed=np.int64(2**40), top_k=np.int32(5), temperature=np.float32(0.5))
+    assert type(params.seed) is int and params.seed == 2**40 and type(params.top_k) is int
 
 
 def test_records_per_token_have_one_entry_per_generated_token(llama):

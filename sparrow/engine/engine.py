@@ -8,7 +8,8 @@ are dropped from the batch so that later steps only pay for live sequences.
 from __future__ import annotations
 
 import contextlib
-import random
+import numbers
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,7 +26,15 @@ from sparrow.errors import SparrowError
 from sparrow.metrics import acceptance_rate
 from sparrow.schedules import DENSE, Schedule
 
-from .sampling import SamplingParams, StepSample, sample
+from .sampling import (
+    KEY_LIMIT,
+    SamplingParams,
+    StepSample,
+    all_finite,
+    draw_uniforms,
+    sample,
+    sequence_stream,
+)
 from .sequence import Completion
 
 Prompt = str | list[dict] | list[int]
@@ -131,8 +140,15 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None,
                  schedule: Schedule = DENSE, num_samples: int = 1, apply_chat_template: bool = False,
-                 progress: bool = False, reference: Schedule | None = None) -> list[Completion]:
+                 progress: bool = False, reference: Schedule | None = None,
+                 prompt_keys: Sequence[int] | None = None) -> list[Completion]:
         """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index.
+
+        Sample s of the prompt keyed k draws from its own random stream, `sequence_stream(sampling.seed, k, s)`
+        (keys default to the prompts' indices in the call; distinct integers in [0, 2**32)). With a seed, its tokens
+        are therefore the same whatever `max_batch_size`, the other prompts of the call, or `num_samples` (sample s
+        of n is sample s of n + 2): callers that split a set of prompts over calls or workers pass each prompt's
+        key. Stops with a SparrowError naming the sequence and token when the model's logits are not finite.
 
         With `reference` (usually DENSE), a second cache decodes the same tokens under that schedule in lockstep,
         and every completion records the exact acceptance rate of each of its tokens: sum_v min(p, q) of the
@@ -143,41 +159,46 @@ class RolloutEngine:
             raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
         if not prompts:
             raise SparrowError("no prompts given")
+        keys = _prompt_keys(prompt_keys, len(prompts))
         if not schedule.is_dense:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
-        seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
         per_wave = max(1, self.max_batch_size // num_samples)
         results: list[Completion] = []
         bar = tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
                    disable=not progress)
         for start in range(0, len(prompts), per_wave):
             wave = list(range(start, min(start + per_wave, len(prompts))))
-            results += self._generate_wave(wave, encoded, sampling, schedule, num_samples, generator, bar, reference)
+            seqs = [Completion(i, s, encoded[i], keys[i], acceptance=[] if reference is not None else None)
+                    for i in wave for s in range(num_samples)]
+            streams = [sequence_stream(seed, seq.prompt_key, seq.sample_index) for seq in seqs]
+            results += self._generate_wave(wave, seqs, streams, encoded, sampling, schedule, num_samples, bar,
+                                           reference)
         bar.close()
         return results
 
-    def _generate_wave(self, wave, encoded, sampling, schedule, num_samples, generator, bar,
+    def _generate_wave(self, wave, seqs: list[Completion], streams, encoded, sampling, schedule, num_samples, bar,
                        reference: Schedule | None) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
-        cache = self.new_cache(len(wave) * num_samples, capacity)
+        cache = self.new_cache(len(seqs), capacity)
         logits = self._prefill_wave(cache, wave, encoded, num_samples)
-        seqs = [Completion(i, s, encoded[i], acceptance=[] if reference is not None else None)
-                for i in wave for s in range(num_samples)]
         budget = cache.lengths.clone()
         live = list(seqs)
         ref_cache, ref_logits = None, None
         if reference is not None and self.reference_context is None:
             ref_cache, ref_logits = cache.clone(), logits  # prefill is dense: the reference's is the same
         elif reference is not None:
-            ref_cache = self.new_cache(len(wave) * num_samples, capacity)
+            ref_cache = self.new_cache(len(seqs), capacity)
             with self._reference_scope():
                 ref_logits = self._prefill_wave(ref_cache, wave, encoded, num_samples)
         temperature = 1.0 if sampling.greedy else sampling.temperature
         while True:
-            step = sample(logits, sampling, generator)
+            uniforms = None if sampling.greedy else draw_uniforms(streams, self.device)
+            step = sample(logits, sampling, uniforms)
+            _check_finite(step.finite, logits, live, sampling, "model")
             if ref_cache is not None:
+                _check_finite(all_finite(ref_logits), ref_logits, live, sampling, "reference model")
                 for seq, alpha in zip(live, acceptance_rate(logits, ref_logits, temperature).tolist()):
                     seq.acceptance.append(alpha)
             self._record(live, step, budget, sampling)
@@ -191,6 +212,7 @@ class RolloutEngine:
                 if ref_cache is not None:
                     ref_cache.keep(index)
                 live = [live[r] for r in keep]
+                streams = [streams[r] for r in keep]
                 step.tokens = step.tokens.index_select(0, index)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
             if ref_cache is not None:
@@ -236,3 +258,42 @@ class RolloutEngine:
         text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         cuts = [text.find(s) for s in sampling.stop if s in text]
         return text[: min(cuts)] if cuts else text
+
+
+def _prompt_keys(prompt_keys: Sequence[int] | None, count: int) -> list[int]:
+    """The key of each prompt: the given ones (distinct integers in [0, 2**32)), else the indices 0..count-1."""
+    if prompt_keys is None:
+        return list(range(count))
+    keys = list(prompt_keys)
+    if len(keys) != count:
+        raise SparrowError(f"prompt_keys has {len(keys)} keys for {count} prompts: expected one key per prompt")
+    seen = set()
+    for key in keys:
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or not 0 <= key < KEY_LIMIT:
+            raise SparrowError(f"prompt keys must be integers in [0, 2**32), got {key!r}")
+        if key in seen:
+            raise SparrowError(f"prompt key {key} is given twice: two prompts with one key would share their "
+                               "random streams; expected distinct keys")
+        seen.add(key)
+    return [int(k) for k in keys]
+
+
+def _check_finite(finite: torch.Tensor, logits: torch.Tensor, live: list[Completion], sampling: SamplingParams,
+                  source: str) -> None:
+    """Stop with a message naming the first row whose logits (after temperature) are not all finite."""
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero().flatten().tolist()
+    row, seq = bad[0], live[bad[0]]
+    token = len(seq.token_ids) + 1
+    where = (f"prompt {seq.prompt_index} (key {seq.prompt_key}), sample {seq.sample_index}, generated token {token} "
+             f"(position {len(seq.prompt_token_ids) + token - 1}, logits of "
+             f"{'the prefill' if token == 1 else f'decode step {token - 1}'})")
+    others = f"; {len(bad) - 1} other sequence(s) of the batch too" if len(bad) > 1 else ""
+    values = logits[row].float()
+    if bool(torch.isfinite(values).all()):
+        raise SparrowError(f"temperature {sampling.temperature} is too small: the {source}'s logits divided by it "
+                           f"overflow float32 at {where}{others}; expected a larger temperature, or 0 for greedy")
+    kinds = [name for name, hit in (("NaN", values.isnan().any()), ("inf", values.isinf().any())) if bool(hit)]
+    raise SparrowError(f"the {source}'s logits contain {' and '.join(kinds)} (before sampling) at {where}{others}; "
+                       "expected finite logits: check the model's weights and dtype")

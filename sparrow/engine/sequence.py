@@ -13,11 +13,14 @@ class Completion:
     budget on sparse decode steps, the cached length where attention was dense (prefill, dense schedule).
     finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens). acceptance: per token, the exact
     acceptance rate against a reference policy, when generation was asked to measure it.
+    prompt_index is the prompt's index within the call that generated it; prompt_key the key its random streams
+    were derived from (`RolloutEngine.generate(prompt_keys=...)`; the index unless the caller gave keys).
     """
 
     prompt_index: int
     sample_index: int
     prompt_token_ids: list[int]
+    prompt_key: int | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[list[int]] = field(default_factory=list)
@@ -26,6 +29,10 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     acceptance: list[float] | None = None
+
+    def __post_init__(self):
+        if self.prompt_key is None:
+            self.prompt_key = self.prompt_index
 
     @property
     def finished(self) -> bool:

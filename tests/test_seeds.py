@@ -1,0 +1,171 @@
+"""Per-sequence randomness (a sample depends on (seed, prompt key, sample index) only), the inverse-CDF sampler,
+and non-finite logits stopping generation with a message naming the sequence and token."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from sparrow.attention import cpu_kernel
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine.sampling import draw_uniforms, inverse_cdf, sample, sequence_stream
+from sparrow.errors import SparrowError
+from sparrow.schedules import DENSE, const
+from tests.conftest import _tiny, random_prompts
+
+SAMPLED = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+PROMPTS = random_prompts([70, 130, 45], seed=11)
+
+
+@pytest.fixture(params=[("tiny-llama", "dense"), ("tiny-qwen2", "sparse-compiled"), ("tiny-qwen3", "sparse-pytorch"),
+                        ("tiny-llama", "sparse-compiled")], ids=lambda p: "-".join(p))
+def model_and_schedule(request, monkeypatch):
+    """Each tiny architecture once, under dense decode or a 4-page budget (sink, two recent, one selected) through
+    the compiled kernel or the pure-PyTorch sparse path."""
+    name, path = request.param
+    if path == "sparse-compiled" and cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    monkeypatch.setenv("SPARROW_CPU_KERNEL", "0" if path == "sparse-pytorch" else "1")
+    return _tiny(name), DENSE if path == "dense" else const(64)
+
+
+def _by_key(completions):
+    return {(c.prompt_key, c.sample_index): c for c in completions}
+
+
+def test_a_sample_is_the_same_whatever_the_batch_the_other_prompts_and_num_samples(model_and_schedule):
+    (model, tok), schedule = model_and_schedule
+    run = lambda batch, prompts, n, keys=None: _by_key(  # noqa: E731
+        RolloutEngine(model, tok, max_batch_size=batch).generate(prompts, SAMPLED, schedule, n, prompt_keys=keys))
+    base = run(64, PROMPTS, 2)
+    variants = {
+        "one row per wave": run(1, PROMPTS, 1),
+        "one prompt per wave": run(2, PROMPTS, 2),
+        "prompt 0 dropped, the others reordered, 4 samples": run(64, [PROMPTS[2], PROMPTS[1]], 4, [2, 1]),
+        "a prompt added": run(64, [random_prompts([90], seed=12)[0]] + PROMPTS, 2, [9, 0, 1, 2]),
+    }
+    if not schedule.is_dense:  # the budget really bites: prompt 1 decodes sparsely from its first step
+        assert base[(1, 0)].kv_budget == [130] + [64] * 15
+    for name, run_ in variants.items():
+        shared = set(run_) & set(base)
+        assert len(shared) >= 3, name
+        for key in shared:
+            got, want = run_[key], base[key]
+            assert got.token_ids == want.token_ids, (name, key)
+            assert np.abs(np.subtract(got.logprobs, want.logprobs)).max() <= 1e-5, (name, key)
+            assert got.prompt_token_ids == want.prompt_token_ids and got.kv_budget == want.kv_budget
+    grown = variants["prompt 0 dropped, the others reordered, 4 samples"]
+    assert [c.prompt_index for c in grown.values()] == [0] * 4 + [1] * 4  # the index stays the one in the call
+    assert len({tuple(grown[(1, s)].token_ids) for s in range(4)}) == 4  # the samples of a prompt differ
+
+
+def test_the_key_not_the_position_picks_the_stream_and_no_seed_stays_random(llama):
+    engine = RolloutEngine(*llama)
+    prompt = PROMPTS[:1]
+    as_key = lambda key, sampling=SAMPLED: engine.generate(  # noqa: E731
+        prompt, sampling, prompt_keys=[key])[0].token_ids
+    assert as_key(0) == engine.generate(prompt, SAMPLED)[0].token_ids
+    assert as_key(5) != as_key(0)
+    assert engine.generate([PROMPTS[1], PROMPTS[0]], SAMPLED, prompt_keys=[1, 0])[1].token_ids == as_key(0)
+    unseeded = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    assert as_key(0, unseeded) != as_key(0, unseeded)
+
+
+def test_sequence_streams_depend_on_the_three_integers_only():
+    first = [sequence_stream(7, 2, 1).random() for _ in range(3)]
+    assert first == [sequence_stream(7, 2, 1).random() for _ in range(3)]
+    draws = {(s, k, i): sequence_stream(s, k, i).random() for s, k, i in
+             [(7, 2, 1), (7, 1, 2), (2, 7, 1), (7, 2, 0), (0, 0, 0), (2**40, 0, 0), (0, 2**32 - 1, 0)]}
+    assert len(set(draws.values())) == len(draws)
+    streams = [sequence_stream(7, k, 0) for k in range(3)]
+    uniforms = draw_uniforms(streams)
+    assert uniforms.dtype == torch.float64 and uniforms.shape == (3,) and bool(((0 <= uniforms) & (uniforms < 1)).all())
+    assert uniforms[1].item() == sequence_stream(7, 1, 0).random()
+    with pytest.raises(SparrowError, match=r"prompt key must be in \[0, 2\*\*32\), got 4294967296"):
+        sequence_stream(0, 2**32, 0)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ([0], "1 keys for 2 prompts"),
+    ([3, 3], "prompt key 3 is given twice"),
+    ([0, -1], "got -1"),
+    ([0, 2**32], "got 4294967296"),
+    ([0, 1.5], "got 1.5"),
+    ([True, 2], "got True"),
+])
+def test_bad_prompt_keys_fail_clearly(llama, keys, message):
+    with pytest.raises(SparrowError, match=message):
+        RolloutEngine(*llama).generate(PROMPTS[:2], SAMPLED, prompt_keys=keys)
+
+
+def test_inverse_cdf_is_an_exact_multinomial_that_never_picks_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
+    n = 4000
+    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    counts = torch.bincount(inverse_cdf(probs.expand(n, -1), grid), minlength=6)
+    assert counts.tolist() == [0, 1000, 0, 2000, 1000, 0]
+    edges = torch.tensor([0.0, 0.25, 0.75, 1 - 2**-53, np.nextafter(0.25, 0)], dtype=torch.float64)
+    assert inverse_cdf(probs.expand(5, -1), edges).tolist() == [1, 3, 4, 4, 1]
+    # a row whose float32 probabilities sum to less than 1 still never runs into the zero-probability tail
+    short = torch.tensor([[0.3, 0.3, 0.3999999, 0.0]])
+    assert inverse_cdf(short, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [2]
+
+
+def test_sampling_draws_each_row_from_its_own_uniform_after_truncation():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+    params = SamplingParams(top_k=2, num_logprobs=3)
+    step = sample(logits, params, torch.tensor([0.7, 0.99], dtype=torch.float64))
+    assert step.tokens.tolist() == [2, 2]  # row 0: CDF 0, 2/3, 1 over its top-2 {1, 2}; row 1: 0.625, 0.625, 1
+    assert sample(logits, params, torch.tensor([0.6, 0.6], dtype=torch.float64)).tokens.tolist() == [1, 0]
+    assert torch.allclose(step.logprobs.exp(), torch.tensor([0.3, 0.3]))
+    alone = sample(logits[1:], params, torch.tensor([0.99], dtype=torch.float64))
+    assert alone.tokens.tolist() == [2] and torch.equal(alone.logprobs, step.logprobs[1:])
+    assert step.finite.tolist() == [True, True]
+
+
+def _broken(name, poison):
+    """A private copy of a tiny model with some weights replaced (the cached fixtures must stay intact)."""
+    model, tok = _tiny(name)
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        poison(model)
+    return model, tok
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=8, temperature=0),
+                                      SamplingParams(max_new_tokens=8, seed=0)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_weights_stop_generation_naming_the_sequence(sampling, value):
+    model, tok = _broken("tiny-llama", lambda m: m.model.layers[2].mlp.down_proj.weight.fill_(value))
+    with pytest.raises(SparrowError, match=r"the model's logits contain NaN \(before sampling\) at prompt 0 "
+                                           r"\(key 7\), sample 0, generated token 1 \(position 30, logits of the "
+                                           r"prefill\); 1 other sequence"):
+        RolloutEngine(model, tok).generate(random_prompts([30, 40]), sampling, prompt_keys=[7, 8])
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+                                      SamplingParams(max_new_tokens=8, seed=0, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_logits_turning_infinite_mid_decode_name_the_row_and_the_token(llama, sampling):
+    model, tok = llama
+    calls = []
+
+    def poison(module, args, output):  # the 4th decode step's logits of the batch's last row become +inf
+        calls.append(output.shape[0])
+        if len(calls) == 2 + 4:  # two prefills, then decode steps
+            output[-1, :, 5] = float("inf")
+        return output
+
+    handle = model.lm_head.register_forward_hook(poison)
+    try:
+        with pytest.raises(SparrowError, match=r"logits contain inf \(before sampling\) at prompt 1 \(key 1\), "
+                                               r"sample 2, generated token 5 \(position 44, logits of decode step 4\); expected finite"):
+            RolloutEngine(model, tok).generate(random_prompts([30, 40]), sampling, const(48), num_samples=3)
+    finally:
+        handle.remove()
+
+
+def test_a_temperature_too_small_for_the_logits_is_named(llama):
+    with pytest.raises(SparrowError, match=r"temperature 1e-40 is too small: .* overflow float32"):
+        RolloutEngine(*llama).generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=1e-40, seed=0))
