@@ -194,11 +194,13 @@ def test_a_changed_resume_is_refused_listing_every_difference_unless_allowed():
 
 
 def test_the_resumable_options_exclude_what_defines_the_run():
-    flat = ["model", "data", "seed", "num_generations", "prompts_per_step", "learning_rate", "schedule", "dtype",
-            "distill", "distill_rank", "max_new_tokens", "temperature", "page_size"]
-    assert not any(run_dir._matches(name, RESUMABLE_OPTIONS) for name in flat)
+    defining = ["model", "data", "seed", "num_generations", "prompts_per_step", "learning_rate", "schedule", "dtype",
+                "distill", "distill_rank", "max_new_tokens", "temperature", "page_size", "model.name", "run.seed",
+                "grpo.learning_rate", "monitor.tau", "monitor.bin_size", "sparse.schedule", "distill.rank"]
+    assert [name for name in defining if run_dir._matches(name, RESUMABLE_OPTIONS)] == []
     assert all(run_dir._matches(name, RESUMABLE_OPTIONS)
-               for name in ["steps", "save_every", "keep_last", "eval_every", "eval.schedule", "train.steps"])
+               for name in ["steps", "save_every", "keep_last", "eval.every", "eval.schedule", "grpo.steps",
+                            "run.keep_last", "model.device", "rollout.workers", "monitor.monitor", "grpo.non_finite"])
 
 
 def test_repair_metrics_cuts_the_log_back_to_the_checkpoint(tmp_path):
