@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from sparrow.attention.interface import base_model
 from sparrow.datasets import DataSpec, Example, load_examples
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.attention import SparseConfig
+from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.models import load_model
 from sparrow.rl.batch import RolloutBatch, token_logprobs
@@ -25,9 +26,14 @@ from sparrow.rl.distill import (
     probe,
 )
 from sparrow.rl.losses import full_kl
-from sparrow.rl.step import StepSettings, grpo_step
-from sparrow.rl.trainer import TrainConfig, train
+from sparrow.measure import teacher_forced_acceptance
+from sparrow.rl.config import TrainConfig
+from sparrow.rl.step import Policy, StepConfig, grpo_step
+from sparrow.rl.trainer import train
+from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
+from sparrow.typed_config import build, flatten_mapping
+from tests.fake_backend import ReplayBackend
 
 
 def byte_mean(prompts, completions, **_):
@@ -35,7 +41,7 @@ def byte_mean(prompts, completions, **_):
 
 
 EXAMPLES = [Example(0, "the cat sat on the mat " * 12, "1", {}), Example(1, "a b c d e f g " * 20, "2", {})]
-SETTINGS = StepSettings(num_generations=4, max_new_tokens=12, micro_batch_size=3, mini_batches=2)
+CFG = build(StepConfig, {"num_generations": 4, "max_new_tokens": 12, "micro_batch_size": 3, "mini_batches": 2})
 
 
 def _adapted(cfg: DistillConfig | None = None, b_std: float = 0.1):
@@ -57,27 +63,17 @@ def _base_state(model) -> dict[str, torch.Tensor]:
             if "lora_" not in k}
 
 
-class _Fixed:
-    """An engine stand-in returning the same completions, so runs with and without an adapter see one batch."""
-
-    def __init__(self, completions, tokenizer):
-        self.completions, self.tokenizer = completions, tokenizer
-
-    def generate(self, *args, **kwargs):
-        return self.completions
-
-
-def _rollouts(engine, prompts, schedule, tokens=12, samples=4, seed=0):
-    return engine.generate(prompts, SamplingParams(max_new_tokens=tokens, seed=seed), schedule, num_samples=samples)
+def _rollouts(backend, prompts, schedule, tokens=12, samples=4, seed=0):
+    return backend.generate(prompts, SamplingParams(max_new_tokens=tokens, seed=seed), schedule, samples)
 
 
 def test_the_dense_policy_and_its_update_are_the_same_with_and_without_an_adapter():
     plain, tok = load_model("tiny-qwen3")
-    completions = _rollouts(RolloutEngine(plain, tok), [ex.prompt for ex in EXAMPLES], const(64))
+    completions = _rollouts(NativeBackend(plain, tok), [ex.prompt for ex in EXAMPLES], const(64))
     rewards = [("bytes", byte_mean, 1.0)]
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    plain_metrics = grpo_step(plain, _Fixed(completions, tok), plain_opt, EXAMPLES, rewards, const(64), SETTINGS,
-                              seed=0)
+    plain_metrics = grpo_step(Policy(plain, plain_opt), ReplayBackend(completions), EXAMPLES, rewards, const(64),
+                              CFG, seed=0)
 
     model, _, distiller = _adapted()
     ids = torch.tensor([completions[0].prompt_token_ids + completions[0].token_ids])
@@ -87,11 +83,12 @@ def test_the_dense_policy_and_its_update_are_the_same_with_and_without_an_adapte
         assert not torch.allclose(model(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-3)
     optimizer = torch.optim.AdamW(base_parameters(model), lr=1e-3)
     assert len(base_parameters(model)) == len(list(plain.parameters()))
-    metrics = grpo_step(model, _Fixed(completions, tok), optimizer, EXAMPLES, rewards, const(64), SETTINGS, seed=0,
-                        distill=distiller)
+    metrics = grpo_step(Policy(model, optimizer, distiller=distiller), ReplayBackend(completions), EXAMPLES, rewards,
+                        const(64), CFG, seed=0)
 
     for key in ("loss", "grad_norm", "clip_ratio", "sampling/sampling_logp_difference/mean",
-                "sampling/importance_sampling_ratio/max", "mismatch/acceptance_lower/mean"):
+                "sampling/importance_sampling_ratio/max", "mismatch/acceptance_lower/mean",
+                "mismatch/acceptance_upper/mean"):
         assert metrics[key] == plain_metrics[key], key
     updated, reference = _base_state(model), plain.state_dict()
     assert set(updated) == set(reference)
@@ -103,13 +100,13 @@ def test_the_dense_policy_and_its_update_are_the_same_with_and_without_an_adapte
 @pytest.mark.parametrize("kl", ["k3", "forward", "reverse"])
 def test_the_adapter_step_moves_only_the_adapter(kl):
     model, tok, distiller = _adapted(DistillConfig(lr=1e-3, kl=kl, kl_lambda=0.5))
-    engine = RolloutEngine(model, tok, reference_context=distiller.dense)
-    batch = RolloutBatch.from_completions(_rollouts(engine, [ex.prompt for ex in EXAMPLES], const(48), samples=2))
+    backend = NativeBackend(model, tok)
+    batch = RolloutBatch.from_completions(_rollouts(backend, [ex.prompt for ex in EXAMPLES], const(48), samples=2))
     with torch.no_grad(), distiller.dense():
         logp_old = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
     base = _base_state(model)
     adapter = [p.detach().clone() for p in distiller.params]
-    metrics = distiller.step(batch, logp_old, torch.tensor([1.0, -1.0, 0.5, -0.5]), const(48), SETTINGS)
+    metrics = distiller.step(batch, logp_old, torch.tensor([1.0, -1.0, 0.5, -0.5]), const(48), CFG)
     assert all(torch.equal(v, _base_state(model)[k]) for k, v in base.items())
     assert any(not torch.equal(a, p) for a, p in zip(adapter, distiller.params))
     assert all(p.grad is None for p in distiller.params)
@@ -119,34 +116,35 @@ def test_the_adapter_step_moves_only_the_adapter(kl):
 
 
 def test_distillation_raises_the_acceptance_of_the_sparse_actor_against_the_dense_policy():
-    """Exact acceptance (engine.generate(reference=DENSE), reference without the adapter) on held-out prompts,
-    under a budget of only the three always-kept pages; on this tiny model p5 goes 0.894 -> 0.941."""
+    """Exact acceptance (teacher-forced, the dense policy without the adapter) on held-out prompts, under a
+    budget of only the three always-kept pages; on this tiny model p5 goes 0.894 -> 0.941."""
     cfg = DistillConfig(lr=3e-3, kl_lambda=1.0)
     model, tok = load_model("tiny-qwen3")
     model = attach_adapter(model, cfg)
     distiller = Distiller(model, cfg)
-    engine = RolloutEngine(model, tok, reference_context=distiller.dense)
+    backend = NativeBackend(model, tok)
     prompts = [ex.prompt for ex in load_examples(DataSpec("examples/tiny-data.jsonl"))]
     schedule, held_out = const(48), SamplingParams(max_new_tokens=16, seed=7)
-    _, before = probe(engine, prompts[6:], schedule, held_out, 4, 64)
-    batch = RolloutBatch.from_completions(_rollouts(engine, prompts[:6], schedule, tokens=16, samples=2))
+    _, before = probe(backend, model, prompts[6:], schedule, held_out, 4, SparseConfig(), 64)
+    batch = RolloutBatch.from_completions(_rollouts(backend, prompts[:6], schedule, tokens=16, samples=2))
     with torch.no_grad(), distiller.dense():
         logp_old = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
     for _ in range(8):
-        distiller.step(batch, logp_old, torch.zeros(12), schedule, StepSettings(micro_batch_size=4))
-    _, after = probe(engine, prompts[6:], schedule, held_out, 4, 64)
+        distiller.step(batch, logp_old, torch.zeros(12), schedule, build(StepConfig, {"micro_batch_size": 4}))
+    _, after = probe(backend, model, prompts[6:], schedule, held_out, 4, SparseConfig(), 64)
     assert after["probe/acceptance/p5"] > before["probe/acceptance/p5"] + 0.02
     assert after["probe/acceptance/mean"] > before["probe/acceptance/mean"] + 0.01
 
 
-def test_the_reference_decode_runs_without_the_adapter():
-    model, tok, distiller = _adapted()
+def test_the_measured_dense_policy_runs_without_the_adapter():
+    model, tok, _ = _adapted()
     prompts, sampling = [ex.prompt for ex in EXAMPLES], SamplingParams(max_new_tokens=6, seed=0)
-    with_adapter = RolloutEngine(model, tok, reference_context=distiller.dense).generate(
-        prompts, sampling, DENSE, reference=DENSE)
-    assert min(a for c in with_adapter for a in c.acceptance) < 0.99  # the adapter actor vs the dense policy
-    same = RolloutEngine(model, tok).generate(prompts, sampling, DENSE, reference=DENSE)
-    assert min(a for c in same for a in c.acceptance) > 0.9999  # without the context the reference is the actor
+    completions = NativeBackend(model, tok).generate(prompts, sampling, DENSE)
+    alphas = teacher_forced_acceptance(model, completions, DENSE, SparseConfig(), 1.0)
+    assert min(a for row in alphas for a in row) < 0.99  # the adapter actor vs the dense policy
+    plain = load_model("tiny-qwen3")[0]
+    alphas = teacher_forced_acceptance(plain, completions, DENSE, SparseConfig(), 1.0)
+    assert min(a for row in alphas for a in row) > 0.9999  # without an adapter the actor is the dense policy
 
 
 def _config(data, out, **overrides):
@@ -155,7 +153,7 @@ def _config(data, out, **overrides):
               "schedule": "const:64", "micro_batch_size": 4, "output_dir": str(out), "distill": True,
               "distill_lr": 1e-3, "switch_schedule": "const:48", "probe_every": 1, "probe_prompts": 1,
               "probe_patience": 1, "tau": 0.0, "bin_size": 64}
-    return TrainConfig(**{**values, **overrides})
+    return build(TrainConfig, {**values, **overrides})
 
 
 @pytest.fixture
@@ -190,7 +188,7 @@ def test_checkpoints_keep_a_plain_policy_and_the_adapter_and_resume_restores_bot
     a = torch.load(ckpt / "adapter" / "optimizer.pt", weights_only=True)["state"]
     b = torch.load(split / "checkpoint-2" / "adapter" / "optimizer.pt", weights_only=True)["state"]
     assert all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
-    with pytest.raises(SparrowError, match="holds a DistillSparse adapter"):
+    with pytest.raises(SparrowError, match="distill.enabled: True -> False"):
         train(_config(data, split, steps=3, resume=True, distill=False), log=lambda *_: None)
 
 
@@ -206,14 +204,11 @@ def test_the_tiny_distill_example_runs(tmp_path):
 
 
 def test_the_distill_example_configs_name_only_known_options():
-    import dataclasses
-
     import yaml
 
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
     for path in ("examples/tiny-distill.yaml", "examples/smollm2-distill.yaml"):
-        config = yaml.safe_load(Path(path).read_text())
-        assert set(config) <= known and config["distill"] is True, path
+        values = flatten_mapping(TrainConfig, yaml.safe_load(Path(path).read_text()), path)
+        assert values["distill"] is True, path
 
 
 def test_the_switch_needs_patience_consecutive_passing_probes_and_then_stays():
@@ -260,7 +255,7 @@ def test_bad_distill_configs_say_what_is_wrong(values, message):
     ({"switch_schedule": "const:64"}, "is the rollout schedule itself"),
     ({"switch_schedule": "const:50"}, "multiple of the page size"),
     ({"switch_schedule": None, "probe_data": "x.jsonl"}, "give switch_schedule as well"),
-    ({"probe_patience": 0}, "probe_patience must be >= 1"),
+    ({"probe_patience": 0}, "probe_patience must be an integer >= 1"),
 ])
 def test_bad_distill_train_options_stop_before_any_work(data, tmp_path, overrides, message):
     with pytest.raises(SparrowError, match=message):

@@ -183,7 +183,7 @@ class MonitorSection:
     monitor_share: float = 1.0
 
     def validate(self) -> None:
-        check_finite("tau", self.tau, 0, 1, low_open=True)
+        check_finite("tau", self.tau, 0, 1)
         _check_int("bin_size", self.bin_size, 1)
         _check_int("monitor_every", self.monitor_every, 1)
         _check_choice("monitor", self.monitor, MONITORS)

@@ -72,7 +72,9 @@ def _resume_point(config: TrainConfig, out: Path, log) -> tuple[int, Path] | Non
                                "--output-dir")
         return None
     found = latest_valid_checkpoint(out, log)
-    if found is None:
+    if found is None:  # killed before its first checkpoint: the run starts over, its logs too
+        repair_metrics(out / "metrics.jsonl", 0, log)
+        repair_metrics(out / "eval.jsonl", -1, log)
         return None
     step, path = found
     saved = read_trainer_state(path).get("config", {})
@@ -104,7 +106,7 @@ def _train(config: TrainConfig, log) -> list[dict]:
         log(f"resumed from {resume_from[1]} at step {start}")
     from torch.utils.tensorboard import SummaryWriter
 
-    board = SummaryWriter(str(out / "tensorboard"))
+    board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
     rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
     held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
                 if config.eval.data is not None else None)
