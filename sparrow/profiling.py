@@ -138,7 +138,11 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
                                                         "sparse", "chat", "dtype")}, "adapter": meta.get("adapter")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
-        previous = json.loads(key_path.read_text())
+        try:
+            previous = json.loads(key_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SparrowError(f"{key_path} is damaged ({err}); remove it (and the profile beside it) or use "
+                               "another --out") from None
         changed = sorted(k for k in key if previous.get(k) != key[k])
         if changed:
             raise SparrowError(f"{out_dir} holds a profile made with other settings ({', '.join(changed)} "

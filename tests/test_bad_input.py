@@ -1,8 +1,7 @@
 """Every bad input of issue 13's audit ends the same way: exit code 2, one line `sparrow CMD: error: ...` on stderr,
 no traceback, and, where the bad value is known before the model is needed, no model loaded at all.
 
-TRAIN_CASES are the `sparrow train` options the new train config checks (the lead's); they are expected to fail
-until it lands (xfail, not strict).
+TRAIN_CASES are the `sparrow train` options its config checks before any model loads.
 """
 
 import json
@@ -148,8 +147,7 @@ TRAIN_CASES = [
 ]
 
 def _param(case):
-    marks = [pytest.mark.xfail(strict=False, reason="lead: train config")] if case in TRAIN_CASES else []
-    return pytest.param(*case[1:], id=case[0], marks=marks)
+    return pytest.param(*case[1:], id=case[0])
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def _is_number(value) -> bool:
 def _read_rows(path: Path, required: tuple[str, ...]) -> list[dict]:
     """The rows of a run's JSONL file; a row without a number under each `required` key (a key ending in "@" stands
     for any key starting with it, e.g. "eval/mean@4") is an error naming the file, line and key."""
-    numbered = read_jsonl(path)
+    numbered = read_jsonl(path, torn_tail_ok=True)  # a killed run may end in a torn line
     for number, row in numbered:
         for key in required:
             found = [k for k in row if k.startswith(key)] if key.endswith("@") else [key]
