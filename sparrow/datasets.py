@@ -213,3 +213,15 @@ def split_examples(examples: list, held_out: int, seed: int) -> tuple[list, list
     train = [example for position, example in enumerate(examples) if position not in chosen]
     held = [example for position, example in enumerate(examples) if position in chosen]
     return train, held
+
+
+def read_prompts(path: str) -> list:
+    """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages."""
+    prompts = []
+    for number, row in read_jsonl(path):
+        prompt = row.get("prompt")
+        is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
+        if not (isinstance(prompt, str) and prompt) and not (is_chat and prompt):
+            raise SparrowError(f"{path}:{number}: expected a 'prompt' field holding text or chat messages")
+        prompts.append(prompt)
+    return prompts

@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass
 
 from sparrow.datasets import DataSpec, load_examples
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.rewards import load_reward
+from sparrow.rollout import NativeBackend
 
 from .common import MODEL_HELP, ModelOptions, require_file
 from .config import add_config_options, load_config
@@ -59,8 +60,8 @@ def run(args) -> int:
     config = load_config(EvalConfig, args)
     examples = load_examples(DataSpec(config.data, config.prompt_field, config.answer_field))
     model, tokenizer = config.load()
-    engine = RolloutEngine(model, tokenizer, config.sparse_config())
-    result = evaluate(engine, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
+    backend = NativeBackend(model, tokenizer, config.sparse_config())
+    result = evaluate(backend, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
                       config.threshold, progress=not config.json)
     result["schedule"] = config.schedule
     if config.json:

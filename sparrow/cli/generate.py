@@ -6,9 +6,10 @@ import json
 import sys
 from dataclasses import dataclass
 
-from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.datasets import read_prompts
+from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
-from sparrow.io import read_jsonl
+from sparrow.rollout import NativeBackend, as_chat
 
 from .common import MODEL_HELP, ModelOptions, require_file
 from .config import add_config_options, load_config
@@ -59,25 +60,13 @@ HELP = {
 }
 
 
-def read_prompts(path: str) -> list:
-    """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages."""
-    prompts = []
-    for number, row in read_jsonl(path):
-        prompt = row.get("prompt")
-        is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
-        if not (isinstance(prompt, str) and prompt) and not (is_chat and prompt):
-            raise SparrowError(f"{path}:{number}: expected a 'prompt' field holding text or chat messages")
-        prompts.append(prompt)
-    return prompts
-
-
 def run(args) -> int:
     config = load_config(GenerateConfig, args)
     prompts = [config.prompt] if config.prompt is not None else read_prompts(config.prompts)
     model, tokenizer = config.load()
-    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size)
-    completions = engine.generate(prompts, config.sampling(), config.parsed_schedule(), config.num_samples,
-                                  apply_chat_template=config.chat, progress=not config.json)
+    backend = NativeBackend(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size)
+    completions = backend.generate(as_chat(prompts) if config.chat else prompts, config.sampling(),
+                                   config.parsed_schedule(), config.num_samples, progress=not config.json)
     for c in completions:
         if config.json:
             print(json.dumps(c.to_json()))

@@ -6,15 +6,15 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparrow.datasets import read_prompts
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
-from sparrow.rollout import NativeBackend, encode_prompt
+from sparrow.rollout import NativeBackend, as_chat, encode_prompt
 from sparrow.schedules import Schedule, parse_schedule
 
 from .common import MODEL_HELP, ModelOptions, check_output, require_file
 from .config import add_config_options, load_config
-from .generate import read_prompts
 
 
 def split_schedules(text: str) -> list[str]:
@@ -106,8 +106,8 @@ def run(args) -> int:
         "sparse": dataclasses.asdict(sparse), "dtype": config.dtype,
         "prompt_tokens_mean": sum(len(encode_prompt(tokenizer, p, config.chat)) for p in prompts) / len(prompts),
     }
-    if config.chat:  # text prompts become one user message each, templated by whatever backend samples them
-        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    if config.chat:
+        prompts = as_chat(prompts)
     profile = run_profile(backend, model, prompts, config.parsed_schedules(), config.sampling(),
                           config.samples_per_prompt, sparse, config.bin_size, config.length_origin, Path(config.out),
                           meta)

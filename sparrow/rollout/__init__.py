@@ -2,6 +2,6 @@
 
 from .backend import Prompt, RolloutBackend
 from .native import NativeBackend
-from .prompts import encode_prompt
+from .prompts import as_chat, encode_prompt
 
-__all__ = ["NativeBackend", "Prompt", "RolloutBackend", "encode_prompt"]
+__all__ = ["NativeBackend", "Prompt", "RolloutBackend", "as_chat", "encode_prompt"]

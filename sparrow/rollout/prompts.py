@@ -7,6 +7,11 @@ from sparrow.errors import SparrowError
 Prompt = str | list[dict] | list[int]
 
 
+def as_chat(prompts: list[Prompt]) -> list[Prompt]:
+    """Text prompts as one user message each, so that whatever backend samples them applies the chat template."""
+    return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+
+
 def encode_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
     """Token ids of a prompt; `apply_chat_template` templates text prompts as one user message."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
