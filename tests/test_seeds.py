@@ -124,9 +124,9 @@ def test_sampling_draws_each_row_from_its_own_uniform_after_truncation():
     assert step.finite.tolist() == [True, True]
 
 
-def _broken(name, poison):
-    """A private copy of a tiny model with some weights replaced (the cached fixtures must stay intact)."""
-    model, tok = _tiny(name)
+def _broken(poison):
+    """A private copy of tiny-llama with some weights replaced (the cached fixture must stay intact)."""
+    model, tok = _tiny("tiny-llama")
     model = copy.deepcopy(model)
     with torch.no_grad():
         poison(model)
@@ -137,7 +137,7 @@ def _broken(name, poison):
                                       SamplingParams(max_new_tokens=8, seed=0)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_weights_stop_generation_naming_the_sequence(sampling, value):
-    model, tok = _broken("tiny-llama", lambda m: m.model.layers[2].mlp.down_proj.weight.fill_(value))
+    model, tok = _broken(lambda m: m.model.layers[2].mlp.down_proj.weight.fill_(value))
     with pytest.raises(SparrowError, match=r"the model's logits contain NaN \(before sampling\) at prompt 0 "
                                            r"\(key 7\), sample 0, generated token 1 \(position 30, logits of the "
                                            r"prefill\); 1 other sequence"):
@@ -149,18 +149,20 @@ def test_non_finite_weights_stop_generation_naming_the_sequence(sampling, value)
                          ids=["greedy", "sampled"])
 def test_logits_turning_infinite_mid_decode_name_the_row_and_the_token(llama, sampling):
     model, tok = llama
-    calls = []
+    calls = 0
 
     def poison(module, args, output):  # the 4th decode step's logits of the batch's last row become +inf
-        calls.append(output.shape[0])
-        if len(calls) == 2 + 4:  # two prefills, then decode steps
+        nonlocal calls
+        calls += 1
+        if calls == 2 + 4:  # two prefills, then decode steps
             output[-1, :, 5] = float("inf")
         return output
 
     handle = model.lm_head.register_forward_hook(poison)
     try:
-        with pytest.raises(SparrowError, match=r"logits contain inf \(before sampling\) at prompt 1 \(key 1\), "
-                                               r"sample 2, generated token 5 \(position 44, logits of decode step 4\); expected finite"):
+        want = (r"logits contain inf \(before sampling\) at prompt 1 \(key 1\), sample 2, generated token 5 "
+                r"\(position 44, logits of decode step 4\); expected")
+        with pytest.raises(SparrowError, match=want):
             RolloutEngine(model, tok).generate(random_prompts([30, 40]), sampling, const(48), num_samples=3)
     finally:
         handle.remove()
