@@ -26,13 +26,12 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from tqdm.auto import tqdm
 
-from sparrow.engine import Completion, RolloutEngine, SamplingParams
+from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
 from sparrow.engine.engine import _prompt_keys
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
 
-from .backend import Prompt
 from .factory import ModelSpec
 from .native import NativeBackend
 
@@ -155,11 +154,11 @@ class RayRolloutBackend:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False, apply_chat_template: bool = False) -> list[Completion]:
+                 progress: bool = False) -> list[Completion]:
         if not prompts:
             raise SparrowError("no prompts given")
         keys = _prompt_keys(prompt_keys, len(prompts))
-        encoded = [RolloutEngine.encode(self, p, apply_chat_template) for p in prompts]  # needs only .tokenizer
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         costs = [(len(ids) + sampling.max_new_tokens) * num_samples for ids in encoded]
         shares = {w: share for w, share in enumerate(split_groups(costs, len(self._actors))) if share}
         version, weights = self._version, [self._weights]
@@ -226,7 +225,7 @@ class RayRolloutBackend:
                 raise
             except RayActorError as err:
                 failures[w] += 1
-                reason = str(err).splitlines()[0]
+                reason = _reason(err)
                 if failures[w] > self.max_retries:
                     raise SparrowError(f"rollout worker {w} died {failures[w]} times in one call (last: {reason}); "
                                        f"expected at most max_retries={self.max_retries}: stopping, {RESUME_HINT}") \
@@ -257,13 +256,21 @@ class RayRolloutBackend:
                 except GetTimeoutError:
                     raise self._late(w, what) from None
                 except ActorDiedError as err:
-                    raise SparrowError(f"rollout worker {w} could not {what}: {str(err).splitlines()[0]} (Ray "
-                                       f"restarts each worker at most max_restarts times); {RESUME_HINT}") from None
+                    raise SparrowError(f"rollout worker {w} could not {what}: {_reason(err)}; {RESUME_HINT}") \
+                        from None
         return pids
 
     def _late(self, w: int, what: str) -> SparrowError:
         return SparrowError(f"rollout worker {w} did not {what} within {self.ready_timeout_s:g} s: expected the "
                             f"cluster to have its resources free and the worker to load {self.spec.model!r}")
+
+
+def _reason(err: RayActorError) -> str:
+    """One line on why a worker is gone: the exception its constructor raised, else Ray's first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if err.actor_init_failed:
+        return f"its constructor raised {lines[-1]}"
+    return lines[0] if lines else type(err).__name__
 
 
 def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -274,14 +281,16 @@ def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _connect(address: str | None, local_cpus: int) -> bool:
-    """Open the Ray session: attach to `address` or start a local Ray; True when this call opened it."""
+    """Open the Ray session: attach to `address` or start a local Ray; True when this call opened it (a session
+    already open in this process is kept, once `address` is known to be reachable)."""
+    if address is not None:
+        _check_reachable(address)
     if ray.is_initialized():
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address is None:
         ray.init(num_cpus=local_cpus, include_dashboard=False, **quiet)
         return True
-    _check_reachable(address)
     try:
         ray.init(address=address, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as err:
