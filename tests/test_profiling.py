@@ -1,4 +1,4 @@
-"""Profiling on a tiny model: exact acceptance in lockstep with dense, files written, resume, calibration."""
+"""Profiling on a tiny model: exact acceptance against the dense policy, files written, resume, calibration."""
 
 import json
 
@@ -6,26 +6,26 @@ import numpy as np
 import pytest
 
 from sparrow.cli import main
-from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.profiling import ScheduleSample, plot_profile, summarize
+from sparrow.attention import SparseConfig
+from sparrow.engine import SamplingParams
+from sparrow.profiling import ScheduleSample, plot_profile, profile_schedule, summarize
+from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
 
-def test_lockstep_acceptance_is_one_for_dense_and_below_one_for_an_aggressive_budget(llama):
-    engine = RolloutEngine(*llama)
+def test_profiled_acceptance_is_one_for_dense_and_below_one_for_an_aggressive_budget(llama):
+    model, tok = llama
+    backend = NativeBackend(model, tok)
     prompts = random_prompts([150, 90], seed=8)
     sampling = SamplingParams(max_new_tokens=20, seed=0, ignore_eos=True)
-    dense = engine.generate(prompts, sampling, DENSE, num_samples=2, reference=DENSE)
-    assert all(np.allclose(c.acceptance, 1.0, atol=1e-6) for c in dense)
-    sparse = engine.generate(prompts, sampling, const(48), num_samples=2, reference=DENSE)
-    for c in sparse:
-        assert len(c.acceptance) == len(c.token_ids)
-        assert abs(c.acceptance[0] - 1.0) < 1e-6  # the first token comes from the dense prefill
-        assert min(c.acceptance) < 0.999 and all(0.0 <= a <= 1.0 + 1e-6 for a in c.acceptance)
-    # acceptance does not change what is sampled
-    plain = engine.generate(prompts, sampling, const(48), num_samples=2)
-    assert [c.token_ids for c in plain] == [c.token_ids for c in sparse]
+    dense = profile_schedule(backend, model, prompts, DENSE, sampling, 2, SparseConfig())
+    np.testing.assert_allclose(dense.alpha, 1.0, atol=1e-5)
+    sparse = profile_schedule(backend, model, prompts, const(48), sampling, 2, SparseConfig())
+    assert sparse.alpha.size == 4 * 20 == sparse.kv_budget.size
+    assert abs(sparse.alpha[0] - 1.0) < 1e-6  # the first token comes from the dense prefill
+    assert sparse.alpha.min() < 0.999 and ((0.0 <= sparse.alpha) & (sparse.alpha <= 1.0 + 1e-6)).all()
+    assert (sparse.total_position == np.concatenate([p + np.arange(20) for p in (150, 150, 90, 90)])).all()
 
 
 def test_summary_and_plots_from_raw_values(tmp_path):

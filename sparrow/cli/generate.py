@@ -7,9 +7,9 @@ import sys
 from dataclasses import dataclass
 
 from sparrow.datasets import read_prompts
-from sparrow.engine import SamplingParams
+from sparrow.engine import SamplingParams, as_chat
 from sparrow.errors import SparrowError
-from sparrow.rollout import NativeBackend, as_chat
+from sparrow.rollout import NativeBackend
 
 from .common import MODEL_HELP, ModelOptions, require_file
 from .config import add_config_options, load_config

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.datasets import read_prompts
-from sparrow.engine import SamplingParams
+from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
-from sparrow.rollout import NativeBackend, as_chat, encode_prompt
+from sparrow.rollout import NativeBackend
 from sparrow.schedules import Schedule, parse_schedule
 
 from .common import MODEL_HELP, ModelOptions, check_output, require_file

@@ -7,10 +7,9 @@ are dropped from the batch so that later steps only pay for live sequences.
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -23,40 +22,31 @@ from sparrow.attention import (
 )
 from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
-from sparrow.metrics import acceptance_rate
 from sparrow.schedules import DENSE, Schedule
 
 from .sampling import (
     KEY_LIMIT,
     SamplingParams,
     StepSample,
-    all_finite,
     draw_uniforms,
     sample,
     sequence_stream,
 )
+from .prompts import Prompt, encode_prompt
 from .sequence import Completion
-
-Prompt = str | list[dict] | list[int]
 
 
 class RolloutEngine:
     """Generates rollouts with sparse attention from any transformers causal LM (optionally peft-wrapped).
+    How far they drift from the dense policy is measured outside the engine (`sparrow.measure.acceptance`)."""
 
-    `reference_context`, when given, is entered around every forward of the lockstep reference decode of
-    `generate(..., reference=...)`, e.g. a peft model's `disable_adapter`, so that a sparse actor with an adapter
-    is measured against the policy without it; the reference then runs its own prefill.
-    """
-
-    def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64,
-                 reference_context: Callable[[], contextlib.AbstractContextManager] | None = None):
+    def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64):
         if max_batch_size < 1:
             raise SparrowError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.sparse = sparse or SparseConfig()
         self.max_batch_size = max_batch_size
-        self.reference_context = reference_context
         enable_sparse_attention(model)
         config = base_model(model).config
         self.num_layers = config.num_hidden_layers
@@ -82,20 +72,7 @@ class RolloutEngine:
 
     def encode(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
         """Token ids of a prompt: text, chat messages (always templated) or ids as they are."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        elif isinstance(prompt, list):
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        elif isinstance(prompt, str) and apply_chat_template:
-            return self.encode([{"role": "user", "content": prompt}])
-        elif isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            raise SparrowError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise SparrowError("a prompt encodes to no tokens")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         if self.max_positions and capacity > self.max_positions:
@@ -140,8 +117,7 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None,
                  schedule: Schedule = DENSE, num_samples: int = 1, apply_chat_template: bool = False,
-                 progress: bool = False, reference: Schedule | None = None,
-                 prompt_keys: Sequence[int] | None = None) -> list[Completion]:
+                 progress: bool = False, prompt_keys: Sequence[int] | None = None) -> list[Completion]:
         """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index.
 
         Sample s of the prompt keyed k draws from its own random stream, `sequence_stream(sampling.seed, k, s)`
@@ -149,10 +125,6 @@ class RolloutEngine:
         are therefore the same whatever `max_batch_size`, the other prompts of the call, or `num_samples` (sample s
         of n is sample s of n + 2): callers that split a set of prompts over calls or workers pass each prompt's
         key. Stops with a SparrowError naming the sequence and token when the model's logits are not finite.
-
-        With `reference` (usually DENSE), a second cache decodes the same tokens under that schedule in lockstep,
-        and every completion records the exact acceptance rate of each of its tokens: sum_v min(p, q) of the
-        rollout distribution p and the reference policy's q on the same prefix, after temperature.
         """
         sampling = sampling or SamplingParams()
         if num_samples < 1:
@@ -166,41 +138,26 @@ class RolloutEngine:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
         per_wave = max(1, self.max_batch_size // num_samples)
         results: list[Completion] = []
-        bar = tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
-                   disable=not progress)
-        for start in range(0, len(prompts), per_wave):
-            wave = list(range(start, min(start + per_wave, len(prompts))))
-            seqs = [Completion(i, s, encoded[i], keys[i], acceptance=[] if reference is not None else None)
-                    for i in wave for s in range(num_samples)]
-            streams = [sequence_stream(seed, seq.prompt_key, seq.sample_index) for seq in seqs]
-            results += self._generate_wave(wave, seqs, streams, encoded, sampling, schedule, num_samples, bar,
-                                           reference)
-        bar.close()
+        with tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
+                  disable=not progress) as bar:
+            for start in range(0, len(prompts), per_wave):
+                wave = list(range(start, min(start + per_wave, len(prompts))))
+                seqs = [Completion(i, s, encoded[i], keys[i]) for i in wave for s in range(num_samples)]
+                streams = [sequence_stream(seed, seq.prompt_key, seq.sample_index) for seq in seqs]
+                results += self._generate_wave(wave, seqs, streams, encoded, sampling, schedule, num_samples, bar)
         return results
 
-    def _generate_wave(self, wave, seqs: list[Completion], streams, encoded, sampling, schedule, num_samples, bar,
-                       reference: Schedule | None) -> list[Completion]:
+    def _generate_wave(self, wave, seqs: list[Completion], streams, encoded, sampling, schedule, num_samples,
+                       bar) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
         cache = self.new_cache(len(seqs), capacity)
         logits = self._prefill_wave(cache, wave, encoded, num_samples)
         budget = cache.lengths.clone()
         live = list(seqs)
-        ref_cache, ref_logits = None, None
-        if reference is not None and self.reference_context is None:
-            ref_cache, ref_logits = cache.clone(), logits  # prefill is dense: the reference's is the same
-        elif reference is not None:
-            ref_cache = self.new_cache(len(seqs), capacity)
-            with self._reference_scope():
-                ref_logits = self._prefill_wave(ref_cache, wave, encoded, num_samples)
-        temperature = 1.0 if sampling.greedy else sampling.temperature
         while True:
             uniforms = None if sampling.greedy else draw_uniforms(streams, self.device)
             step = sample(logits, sampling, uniforms)
             _check_finite(step.finite, logits, live, sampling, "model")
-            if ref_cache is not None:
-                _check_finite(all_finite(ref_logits), ref_logits, live, sampling, "reference model")
-                for seq, alpha in zip(live, acceptance_rate(logits, ref_logits, temperature).tolist()):
-                    seq.acceptance.append(alpha)
             self._record(live, step, budget, sampling)
             keep = [r for r, seq in enumerate(live) if not seq.finished]
             bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
@@ -209,21 +166,13 @@ class RolloutEngine:
             if len(keep) < len(live):
                 index = torch.tensor(keep, device=self.device)
                 cache.keep(index)
-                if ref_cache is not None:
-                    ref_cache.keep(index)
                 live = [live[r] for r in keep]
                 streams = [streams[r] for r in keep]
                 step.tokens = step.tokens.index_select(0, index)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
-            if ref_cache is not None:
-                with self._reference_scope():
-                    ref_logits, _ = self.decode_step(ref_cache, step.tokens, reference)
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs
-
-    def _reference_scope(self) -> contextlib.AbstractContextManager:
-        return self.reference_context() if self.reference_context is not None else contextlib.nullcontext()
 
     def _prefill_wave(self, cache: KVCache, wave: list[int], encoded, num_samples: int) -> torch.Tensor:
         """Prefill each prompt of the wave into its `num_samples` rows; next-token logits per row [rows, V]."""

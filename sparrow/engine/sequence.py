@@ -11,8 +11,7 @@ class Completion:
 
     kv_budget is the number of KV tokens the sparse layers were allowed to attend for that token: the schedule's
     budget on sparse decode steps, the cached length where attention was dense (prefill, dense schedule).
-    finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens). acceptance: per token, the exact
-    acceptance rate against a reference policy, when generation was asked to measure it.
+    finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens).
     prompt_index is the prompt's index within the call that generated it; prompt_key the key its random streams
     were derived from (`RolloutEngine.generate(prompt_keys=...)`; the index unless the caller gave keys).
     """
@@ -28,7 +27,6 @@ class Completion:
     kv_budget: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    acceptance: list[float] | None = None
 
     def __post_init__(self):
         if self.prompt_key is None:
@@ -41,7 +39,5 @@ class Completion:
     def to_json(self) -> dict:
         record = asdict(self)
         record.pop("prompt_token_ids")
-        if record["acceptance"] is None:
-            record.pop("acceptance")
         record["prompt_length"] = len(self.prompt_token_ids)
         return record

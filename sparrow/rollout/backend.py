@@ -15,10 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from sparrow.engine import Completion, SamplingParams
+from sparrow.engine import Completion, Prompt, SamplingParams
 from sparrow.schedules import Schedule
-
-from .prompts import Prompt
 
 
 @runtime_checkable

@@ -8,12 +8,10 @@ from collections.abc import Sequence
 import torch
 
 from sparrow.attention import SparseConfig
-from sparrow.engine import Completion, RolloutEngine, SamplingParams
+from sparrow.engine import Completion, Prompt, RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.schedules import Schedule
-
-from .backend import Prompt
 
 
 class NativeBackend:

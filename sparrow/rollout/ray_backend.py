@@ -227,9 +227,9 @@ class RayRolloutBackend:
                 failures[w] += 1
                 reason = _reason(err)
                 if failures[w] > self.max_retries:
-                    raise SparrowError(f"rollout worker {w} died {failures[w]} times in one call (last: {reason}); "
-                                       f"expected at most max_retries={self.max_retries}: stopping, {RESUME_HINT}") \
-                        from None
+                    raise SparrowError(f"rollout worker {w} died {failures[w]} time(s) in one call, more than "
+                                       f"max_retries={self.max_retries} (last: {reason}); the call cannot complete: "
+                                       f"{RESUME_HINT}") from None
                 self.log(f"rollout: worker {w} died ({reason}); re-running its share "
                          f"({failures[w]}/{self.max_retries})")
             self.pids[w] = self._ready([w], "come back")[0]
@@ -289,12 +289,17 @@ def _connect(address: str | None, local_cpus: int) -> bool:
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address is None:
-        ray.init(num_cpus=local_cpus, include_dashboard=False, **quiet)
+        ray.init(address="local", num_cpus=local_cpus, include_dashboard=False, **quiet)  # never a `ray start` one
         return True
     try:
         ray.init(address=address, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as err:
-        raise SparrowError(f"cannot attach to the Ray cluster at {address!r}: {str(err).splitlines()[0]}") from None
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+            "; a cluster with token authentication (the default of `ray start --head` in Ray 2.60) needs "
+            "RAY_AUTH_MODE=token here and its token (`ray get-auth-token` on the head) in RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token")
+        raise SparrowError(f"cannot attach to the Ray cluster at {address!r}: {str(err).splitlines()[0]}{hint}") \
+            from None
     return True
 
 
