@@ -166,22 +166,38 @@ def test_grpo_steps_on_two_workers_equal_steps_in_one_process(pool):
     backend.sync_weights(model)
 
 
+def _kill_during(backend, worker, call):
+    """Run `call()` and SIGKILL worker `worker` 0.5 s into it (each share below takes over a second)."""
+    victim = backend.pids[worker]
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    try:
+        return call()
+    finally:
+        killer.join()
+
+
 def test_a_worker_killed_mid_call_is_restarted_resynced_and_reruns_its_share(pool):
     backend, model, tokenizer, messages = pool
-    other = _changed(model, seed=2)  # weights the restarted worker can only have from the last sync
+    other = _changed(model, seed=2)  # weights a restarted worker can only have from the last sync
     backend.sync_weights(other)
     sampling = SamplingParams(max_new_tokens=128, temperature=1.0, seed=11, ignore_eos=True)
     prompts = random_prompts([30, 45, 20, 50, 25, 40, 35, 15], seed=4)
-    want = _native(other, tokenizer, prompts, sampling=sampling, num_samples=2)
+    call = lambda: backend.generate(prompts, sampling, SCHEDULE, 2)  # noqa: E731
+    backend.max_retries = 0
+    try:
+        with pytest.raises(SparrowError, match=r"rollout worker 0 died 1 time\(s\) in one call, more than "
+                                               r"max_retries=0 .*--resume"):
+            _kill_during(backend, 0, call)
+    finally:
+        backend.max_retries = 2
+    # Ray restarts the worker between calls; it reloads the last weights before its next share
+    _assert_same(backend.generate(PROMPTS, SAMPLING, SCHEDULE, 4), _native(other, tokenizer))
     victim = backend.pids[0]
-    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))  # each share takes over a second
-    killer.start()
-    got = backend.generate(prompts, sampling, SCHEDULE, 2)
-    killer.join()
-    assert backend.stats["rollout/retries"] == 1
-    assert any(m.startswith("rollout: worker 0 died") for m in messages)
-    assert backend.pids[0] != victim
-    _assert_same(got, want, atol=1e-4)  # two prompts a wave
+    got = _kill_during(backend, 0, call)
+    assert backend.stats["rollout/retries"] == 1 and backend.pids[0] != victim
+    assert any(m.startswith("rollout: worker 0 died") and m.endswith("re-running its share (1/2)") for m in messages)
+    _assert_same(got, _native(other, tokenizer, prompts, sampling=sampling, num_samples=2), atol=1e-4)  # 2 a wave
     backend.sync_weights(model)
 
 
