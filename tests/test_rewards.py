@@ -1,8 +1,13 @@
-"""Reward functions: math-verify scoring, code runs and their containment, custom loading, weighted scoring."""
+"""Reward functions: math-verify scoring and its time limit, code runs and their limits, custom loading, weighted scoring.
 
+The code reward's sandbox and reward-hacking cases are in test_sandbox.py."""
+
+import os
+import textwrap
 import threading
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,7 @@ from sparrow.rewards import (
     run_code,
     score,
 )
+from sparrow.rewards import math as math_module
 from sparrow.rewards.math import math_score
 
 # --- math -------------------------------------------------------------------------------------------------------
@@ -59,6 +65,31 @@ def test_math_reward_off_main_thread_and_bad_inputs():
         math_score("\\boxed{1}", None)
 
 
+PATHOLOGICAL = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{(10^{10})!}", "\\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}"]
+
+
+def test_pathological_answers_time_out_off_the_main_thread_and_the_records_say_so():
+    out = []
+    completions = [*PATHOLOGICAL, "\\boxed{42}"]
+    worker = threading.Thread(target=lambda: out.append(math_reward(None, completions, ["42"] * 4, timeout=3)))
+    start = time.monotonic()
+    worker.start()
+    worker.join()
+    assert time.monotonic() - start < 7.0
+    assert [(float(v), v.status) for v in out[0]] == [(0.0, "timeout")] * 3 + [(1.0, "ok")]
+    scored = score([("math", lambda p, c, **_: out[0], 1.0)], ["p"] * 4, completions)
+    assert [r["status"] for r in scored.records["math"]] == ["timeout"] * 3 + ["ok"]
+
+
+def test_a_check_stuck_past_its_time_is_killed_and_the_pool_recovers(monkeypatch):
+    monkeypatch.setattr(math_module, "_soft_seconds", lambda timeout: 60)  # math-verify's own limits never fire
+    start = time.monotonic()
+    values = math_reward(None, [PATHOLOGICAL[0], "\\boxed{7}"], ["42", "7"], timeout=2)
+    assert time.monotonic() - start < 4.0
+    assert [(float(v), v.status) for v in values] == [(0.0, "timeout"), (1.0, "ok")]
+    assert math_reward(None, ["\\boxed{1/2}"], ["0.5"]) == [1.0]
+
+
 # --- code: scoring ----------------------------------------------------------------------------------------------
 
 DOUBLER = "Here you go:\n```python\nprint(int(input()) * 2)\n```\n"
@@ -90,6 +121,65 @@ def test_code_reward_rejects_malformed_tests():
         run_code("print(1)", [{"stdin": "", "output": "1"}])
     with pytest.raises(SparrowError, match="non-empty list"):
         run_code("print(1)", [])
+    with pytest.raises(SparrowError, match="not valid Python"):
+        run_code("print(1)", "assert f(1) ==")
+
+
+def test_each_top_level_assert_is_a_test_and_usual_test_styles_work():
+    program = textwrap.dedent("""
+        from collections import Counter, namedtuple
+        LIMIT = 10 ** 30
+        Point = namedtuple("Point", "x y")
+        class ListNode:
+            def __init__(self, val=0, next=None):
+                self.val, self.next = val, next
+        class Solution:
+            def reverse(self, head):
+                prev = None
+                while head:
+                    head.next, prev, head = prev, head, head.next
+                return prev
+        def evens(n):
+            yield from range(0, n, 2)
+        def sort_in_place(items):
+            items.sort()
+        def counts(text):
+            return Counter(text)
+        def point(x):
+            return Point(x, -x)
+        def checked(x):
+            if x < 0:
+                raise ValueError("negative")
+            return x ** 0.5
+    """)
+    tests = textwrap.dedent("""
+        import math
+        from solution import evens
+        def to_list(node):
+            out = []
+            while node:
+                out.append(node.val)
+                node = node.next
+            return out
+        head = ListNode(1, ListNode(2, ListNode(3)))
+        assert to_list(Solution().reverse(head)) == [3, 2, 1]
+        assert list(evens(7)) == [0, 2, 4, 6] and 4 in evens(7)
+        items = [3, 1, 2]
+        sort_in_place(items)
+        assert items == [1, 2, 3]
+        assert counts("abca") == {"a": 2, "b": 1, "c": 1} and point(2) == (2, -2)
+        assert math.isclose(checked(2), 1.41421356, rel_tol=1e-6) and LIMIT + 1 > 10 ** 30
+        try:
+            checked(-1)
+            raise AssertionError("no error")
+        except ValueError as error:
+            assert "negative" in str(error)
+        assert checked(9) == 3
+        assert checked(4) == 3
+    """)
+    result = run_code(program, tests)
+    assert (result.passed, result.total, result.status) == (6, 7, "ok"), result.stderr_tail
+    assert "assert checked(4) == 3" in result.stderr_tail
 
 
 # --- code: containment ------------------------------------------------------------------------------------------
@@ -123,7 +213,7 @@ def test_ten_megabytes_of_output_are_contained():
     assert len(result.stderr_tail) <= 2000
 
 
-def test_writes_stay_inside_the_deleted_run_directory(tmp_path):
+def test_writes_stay_inside_the_scratch_directory(tmp_path):
     (tmp_path / "marker").write_text("")
     program = (
         "import os, tempfile\n"
@@ -131,14 +221,13 @@ def test_writes_stay_inside_the_deleted_run_directory(tmp_path):
         "open('here.txt', 'w').write('cwd')\n"
         "open(os.path.expanduser('~/home.txt'), 'w').write('home')\n"
         "tempfile.NamedTemporaryFile(delete=False).write(b'tmp')\n"
-        f"assert os.path.realpath('../escape.txt').startswith({str(tmp_path)!r} + '/sparrow-code-')\n"
+        "assert os.path.realpath('../escape.txt') == '/sandbox/run-0/escape.txt'\n"
         "assert os.getcwd() == os.environ['HOME'] == os.environ['TMPDIR'] == tempfile.gettempdir()\n"
     )
     result = run_code(program, "assert True", base_dir=str(tmp_path))
     assert result.status == "ok", result.stderr_tail
-    # The property: the program's writes (cwd, ~, tempfile, even ../) land in the per-run directory, which is then
-    # deleted, so nothing new appears in the folder we control. Honest limit: '../../escape.txt' or an absolute path
-    # reaches tmp_path or anywhere else this user can write; this is process isolation, not a sandbox.
+    # Writes by relative path, under ~ and via tempfile land in the sandbox's scratch tmpfs, which goes with it;
+    # nothing appears on the host (tests/test_sandbox.py tries absolute paths and enough ../ too).
     assert [p.name for p in tmp_path.iterdir()] == ["marker"]
 
 
@@ -148,23 +237,23 @@ def test_environment_is_stripped(monkeypatch):
     assert run_code(program, "assert True").status == "ok"
 
 
-def test_leftover_subprocesses_are_killed(tmp_path):
-    pid_file = tmp_path / "pid"
-    program = f"import subprocess\nopen({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '30']).pid))\n"
-    assert run_code(program, "assert True").status == "ok"
-    pid = int(pid_file.read_text())
+def test_leftover_subprocesses_are_killed():
+    marker = f"30.{os.getpid()}{time.monotonic_ns() % 10**6}"
+    assert run_code(f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'])\n", "assert True").status == "ok"
+
+    def alive() -> bool:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass
+        return False
+
     deadline = time.monotonic() + 2.0
-    state = "alive"
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            state = "gone"
-        if state in ("gone", "Z", "X"):
-            break
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert state in ("gone", "Z", "X")
+    assert not alive()
 
 
 def test_crashing_program():
