@@ -3,6 +3,14 @@
 # Idempotent: a second run only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The code reward's sandbox, bubblewrap: installed when missing if we are root with apt-get (CI), else named.
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    else
+        echo "setup: bubblewrap (bwrap) is missing; code rewards refuse to run without it: sudo apt-get install bubblewrap" >&2
+    fi
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
