@@ -36,6 +36,7 @@ from .factory import ModelSpec
 from .native import NativeBackend
 
 CONNECT_TIMEOUT_S = 5.0
+RESOURCE_WAIT_S = 3.0
 RESUME_HINT = "`sparrow train --resume` continues from the last checkpoint"
 
 
@@ -323,15 +324,21 @@ def _check_reachable(address: str) -> None:
 
 
 def _worker_cpus(workers: int, cpus_per_worker: int | None, gpu: bool, where: str) -> int:
-    """CPUs per worker, checked against what the cluster has free now, so that no actor waits forever."""
-    free = ray.available_resources()
-    cpus = int(free.get("CPU", 0))
-    each = cpus_per_worker or cpus // workers
-    if each < 1 or workers * each > cpus:
+    """CPUs per worker, checked against what the cluster has free, so that no actor waits forever. Resources of
+    workers killed a moment ago (a closed backend) come back within about 0.1 s: wait up to RESOURCE_WAIT_S."""
+    deadline = time.monotonic() + RESOURCE_WAIT_S
+    while True:
+        free = ray.available_resources()
+        cpus, gpus = int(free.get("CPU", 0)), int(free.get("GPU", 0))
+        each = cpus_per_worker or cpus // workers
+        enough_cpus = each >= 1 and workers * each <= cpus
+        if enough_cpus and (gpus >= workers or not gpu):
+            return each
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not enough_cpus:
         raise SparrowError(f"{workers} rollout worker(s) need {workers * max(each, 1)} CPU(s), but {where} has "
                            f"{cpus} free: expected fewer --rollout-workers or a larger cluster")
-    gpus = int(free.get("GPU", 0))
-    if gpu and gpus < workers:
-        raise SparrowError(f"{workers} rollout worker(s) on a cuda device need one GPU each, but {where} has {gpus} "
-                           "free: expected fewer --rollout-workers, more GPUs, or --device cpu")
-    return each
+    raise SparrowError(f"{workers} rollout worker(s) on a cuda device need one GPU each, but {where} has {gpus} "
+                       "free: expected fewer --rollout-workers, more GPUs, or --device cpu")
