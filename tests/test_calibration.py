@@ -2,8 +2,8 @@
 
 import pytest
 
-from sparrow.calibration import calibrate
 from sparrow.errors import SparrowError
+from sparrow.measure.calibration import calibrate
 
 
 def _profile(table, bin_size=1000, counts=500):

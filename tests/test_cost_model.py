@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from sparrow.cli import main
 from sparrow.cli.cost import SMOLLM2_135M, model_config, model_dims
-from sparrow.cost_model import (
+from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import (
     HARDWARE,
     Hardware,
     ModelDims,
@@ -21,7 +22,6 @@ from sparrow.cost_model import (
     step_cost,
     trajectory_cost,
 )
-from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, const, parse_schedule, steps
 
 SMALL = ModelDims(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=259, params=1000,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparrow.errors import SparrowError
-from sparrow.metrics import (
+from sparrow.measure.metrics import (
     acceptance_bounds,
     acceptance_rate,
     divergences,
@@ -117,7 +117,7 @@ def test_chunked_equals_unchunked():
 
 
 def test_default_chunk_is_bounded_for_large_vocab():
-    from sparrow.metrics import _FULL_TEMPS, _chunk_rows
+    from sparrow.measure.metrics import _FULL_TEMPS, _chunk_rows
 
     rows = _chunk_rows(None, 152_064, _FULL_TEMPS)
     assert 1 <= rows and rows * 152_064 * 4 * _FULL_TEMPS <= 512 * 2**20

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from sparrow.cli import main
 from sparrow.attention import SparseConfig
+from sparrow.cli import main
 from sparrow.engine import SamplingParams
-from sparrow.profiling import ScheduleSample, plot_profile, profile_schedule, summarize
+from sparrow.measure.profiling import ScheduleSample, plot_profile, profile_schedule, summarize
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts

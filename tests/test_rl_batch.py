@@ -4,7 +4,7 @@ import torch
 
 from sparrow.attention.teacher_forced import sparse_forward
 from sparrow.engine import Completion, RolloutEngine, SamplingParams
-from sparrow.metrics import acceptance_bounds, acceptance_rate
+from sparrow.measure.metrics import acceptance_bounds, acceptance_rate
 from sparrow.models import load_model
 from sparrow.rl.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces, token_logprobs
 from sparrow.schedules import DENSE, const

@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.calibration import calibrate, check_profile
-from sparrow.cost_model import compare, hardware
 from sparrow.errors import SparrowError
+from sparrow.measure.calibration import calibrate, check_profile
+from sparrow.measure.cost_model import compare, hardware
 from sparrow.schedules import write_schedule_json
 
 from .common import check_output, require_file

@@ -6,14 +6,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.cost_model import (
+from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import (
     ALWAYS_KEPT_PAGES,
     ModelDims,
     compare,
     hardware,
     paper_cost,
 )
-from sparrow.errors import SparrowError
 from sparrow.schedules import Schedule, parse_schedule
 
 from .config import add_config_options, load_config

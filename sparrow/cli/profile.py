@@ -9,7 +9,7 @@ from pathlib import Path
 from sparrow.datasets import read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
-from sparrow.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
+from sparrow.measure.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import Schedule, parse_schedule
 

@@ -28,8 +28,8 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
-from sparrow.metrics import tail_stats
 from sparrow.measure.acceptance import teacher_forced_acceptance
+from sparrow.measure.metrics import tail_stats
 from sparrow.schedules import Schedule
 
 from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces

@@ -24,7 +24,7 @@ from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
 from sparrow.measure.tail import bin_tails
-from sparrow.metrics import acceptance_bounds, tail_stats
+from sparrow.measure.metrics import acceptance_bounds, tail_stats
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend

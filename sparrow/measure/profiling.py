@@ -18,10 +18,10 @@ import numpy as np
 
 from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
-from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, atomic_write_text
-from sparrow.metrics import tail_stats
+from sparrow.measure.acceptance import teacher_forced_acceptance
+from sparrow.measure.metrics import tail_stats
 from sparrow.schedules import Schedule
 
 LENGTH_ORIGINS = ("total", "generated")
