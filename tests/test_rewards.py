@@ -1,4 +1,4 @@
-"""Reward functions: math-verify scoring and its time limit, code runs and their limits, custom loading, weighted scoring.
+"""Reward functions: math-verify scoring and its time limit, code runs and their limits, custom loading, scoring.
 
 The code reward's sandbox and reward-hacking cases are in test_sandbox.py."""
 

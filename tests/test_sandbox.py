@@ -166,7 +166,8 @@ def test_a_killed_trainer_leaves_no_process_and_no_folder(host):
     # A small "trainer": a process that scores one completion (importing only the reward modules, not torch).
     trainer = textwrap.dedent(f"""
         import sys, types
-        for name, path in (("sparrow", {str(REPO / "sparrow")!r}), ("sparrow.rewards", {str(REPO / "sparrow/rewards")!r})):
+        package = {str(REPO / "sparrow")!r}
+        for name, path in (("sparrow", package), ("sparrow.rewards", package + "/rewards")):
             module = types.ModuleType(name)
             module.__path__ = [path]
             sys.modules[name] = module
@@ -224,7 +225,8 @@ TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(-1, 1) == 0\n"
         "raise SystemExit(0)\n",
         "import atexit, os\natexit.register(lambda: os._exit(0))\nraise SystemExit(0)\n",
         "import sys\nsys.exit()\n",
-        "class Anything:\n    def __eq__(self, other):\n        return True\n    def __bool__(self):\n        return True\n"
+        "class Anything:\n    def __eq__(self, other):\n        return True\n"
+        "    def __bool__(self):\n        return True\n"
         "def add(a, b):\n    return Anything()\n",
         "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\ndef add(a, b):\n    return 5\n",
     ],

@@ -3,11 +3,11 @@
 ``run(job, base_dir)`` starts the harness (harness.py: the judge, which runs the program and its tests) with a JSON
 job and returns what it reported. In the sandbox (bwrap 0.8 or newer) the judge is pid 1 of new pid, network, IPC,
 UTS and cgroup namespaces, with a new root that holds read-only binds of the system directories (/usr and the
-/bin, /lib... links), /etc/ld.so.cache and the Python installation, fresh /proc and /dev, and two writable
-tmpfs, /sandbox (the scratch directory) and /tmp, of ``SCRATCH_BYTES`` each: no home, no project, no host /tmp or
-/etc. The environment is cleared. As an ordinary user the sandbox has its own user namespace (uid 65534, no
-capabilities, no nested user namespaces) and the program's ``RLIMIT_NPROC`` counts only that sandbox's
-processes. Root ignores ``RLIMIT_NPROC``, so as root the judge keeps only CAP_SETUID, CAP_SETGID and CAP_KILL and
+/bin, /lib... links), /etc/ld.so.cache and the Python installation, fresh /proc and /dev, and one writable
+tmpfs of ``SCRATCH_BYTES``, /sandbox (the scratch directory); the rest of the new root is read-only: no home, no
+project, no /tmp, no /etc. The environment is cleared. As an ordinary user the sandbox has its own user
+namespace (uid 65534, no capabilities, no nested user namespaces) and the program's ``RLIMIT_NPROC`` counts only
+that sandbox's processes. Root ignores ``RLIMIT_NPROC``, so as root the judge keeps only CAP_SETUID, CAP_SETGID and CAP_KILL and
 runs the program as a user id of its own (``_ROOT_UID_BASE`` + a counter), whose process count the limit caps.
 ``--die-with-parent`` ends the sandbox, and everything in it, when the process that started it dies.
 
@@ -92,7 +92,8 @@ def _interpreter_dirs() -> list[str]:
     return [d for d in keep if not any(d != other and _under(d, [other]) for other in keep)]
 
 
-def _bwrap_argv(bwrap: str, as_root: bool) -> list[str]:
+@functools.cache
+def _bwrap_argv(bwrap: str, as_root: bool) -> tuple[str, ...]:
     argv = [bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if as_root:
@@ -118,11 +119,10 @@ def _bwrap_argv(bwrap: str, as_root: bool) -> list[str]:
     for path in interpreter:
         argv += ["--ro-bind", path, path]
     argv += ["--ro-bind", HARNESS, _INNER_HARNESS, "--proc", "/proc", "--dev", "/dev",
-             "--perms", "0755", "--size", str(SCRATCH_BYTES), "--tmpfs", SCRATCH,
-             "--perms", "1777", "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp",
+             "--perms", "0755", "--size", str(SCRATCH_BYTES), "--tmpfs", SCRATCH, "--remount-ro", "/",
              "--chdir", SCRATCH, "--clearenv", "--setenv", "LANG", "C.UTF-8", "--setenv", "PATH", "/usr/bin:/bin",
              "--", python(), "-I", "-B", _INNER_HARNESS]
-    return argv
+    return tuple(argv)
 
 
 def _root_uid() -> int:
