@@ -37,7 +37,7 @@ from .native import NativeBackend
 
 CONNECT_TIMEOUT_S = 5.0
 RESOURCE_WAIT_S = 3.0
-RESUME_HINT = "`sparrow train --resume` continues from the last checkpoint"
+RESUME_HINT = "a training run continues from its last checkpoint with `sparrow train --resume`"
 
 
 def split_groups(costs: Sequence[float], workers: int) -> list[list[int]]:
