@@ -69,7 +69,8 @@ def run_config(kind, workers, cpus, model, tokenizer, spec, args, prompts, sched
             rows.append({"tokens_per_s": tokens / wall, "generate_s": wall, "sync_s": synced - began,
                          "sync_bytes": stats.get("rollout/sync_bytes", 0),
                          "gather_s": stats.get("rollout/gather_s", 0.0),
-                         **{k.removeprefix("rollout/"): v for k, v in stats.items() if k.startswith("rollout/worker_")}})
+                         **{k.removeprefix("rollout/"): v for k, v in stats.items()
+                            if k.startswith("rollout/worker_")}})
         trips = []
         for _ in range(args.roundtrips):
             began = time.perf_counter()
