@@ -204,3 +204,23 @@ def test_a_second_run_on_a_locked_directory_stops_at_once(data, tmp_path):
     with RunLock(out, log=lambda *_: None):
         with pytest.raises(SparrowError, match=f"pid {__import__('os').getpid()}"):
             train(_config(data, out, steps=1), log=lambda *_: None)
+
+
+def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_an_uninterrupted_one(data,
+                                                                                                     tmp_path):
+    options = dict(schedule="adaptive", adaptive_start="const:64", adaptive_min_tokens=10, adaptive_patience=1,
+                   tau=0.5, bin_size=32, steps=3, max_new_tokens=12)
+    full, split = tmp_path / "full", tmp_path / "split"
+    logged = []
+    history = train(_config(data, full, **options), log=logged.append)
+    budgets = [{k: v for k, v in h.items() if k.startswith("adaptive/")} for h in history]
+    assert budgets[0] and all(set(b) == set(budgets[0]) for b in budgets)
+    assert any("budget down" in line for line in logged)  # tau 0.5 is easy: budgets fall toward the ladder's foot
+    assert min(min(b.values()) for b in budgets) >= 48  # never below the always-kept pages
+    train(_config(data, split, **{**options, "steps": 2}), log=lambda *_: None)
+    resumed = train(_config(data, split, **{**options, "resume": True}), log=lambda *_: None)
+    assert {k: v for k, v in resumed[0].items() if k.startswith("adaptive/")} == budgets[2]
+    a, b = _weights(full / "checkpoint-3"), _weights(split / "checkpoint-3")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SparrowError, match="needs monitor exact"):
+        _config(data, tmp_path / "x", schedule="adaptive", monitor="bounds").validate()

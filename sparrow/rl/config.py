@@ -191,6 +191,22 @@ class MonitorSection:
 
 
 @dataclass
+class AdaptiveSection:
+    """`schedule: adaptive`: budgets per length bin (`bin_size`) move during training (sparrow/rl/adaptive.py),
+    from the `adaptive_start` schedule, to the cheapest rung whose exact p5 holds tau."""
+
+    start: str = _flag("adaptive_start", "dense")
+    margin: float = _flag("adaptive_margin", 0.02)
+    patience: int = _flag("adaptive_patience", 2)
+    min_tokens: int = _flag("adaptive_min_tokens", 200)
+
+    def validate(self) -> None:
+        check_finite("adaptive_margin", self.margin, 0, 1, high_open=True)
+        _check_int("adaptive_patience", self.patience, 1)
+        _check_int("adaptive_min_tokens", self.min_tokens, 1)
+
+
+@dataclass
 class EvalSection:
     data: str | None = _flag("eval_data", None)
     every: int = _flag("eval_every", 10)
@@ -241,7 +257,8 @@ class Parsed:
     """What validation derived once: the sparse settings, every schedule, the reward functions."""
 
     sparse: SparseConfig
-    schedule: Schedule
+    schedule: Schedule  # the rollout schedule; with `schedule: adaptive`, where the adaptive one starts
+    adaptive: bool
     switch_schedule: Schedule | None
     eval_schedule: Schedule
     rewards: list
@@ -257,6 +274,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    adaptive: AdaptiveSection = field(default_factory=AdaptiveSection)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalSection = field(default_factory=EvalSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -264,11 +282,17 @@ class TrainConfig:
     parsed: Parsed | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
-        for section in (self.model, self.sampling, self.data, self.grpo, self.monitor, self.eval, self.rollout,
-                        self.run):
+        for section in (self.model, self.sampling, self.data, self.grpo, self.monitor, self.adaptive, self.eval,
+                        self.rollout, self.run):
             section.validate()
         distill = self.distill
-        schedule = self.sparse.parse(self.sparse.schedule)
+        adaptive = self.sparse.schedule == "adaptive"
+        schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)
+        if adaptive and self.monitor.monitor != "exact":
+            raise SparrowError("schedule adaptive moves budgets on the exact acceptance: it needs monitor exact, "
+                               f"not {self.monitor.monitor!r}")
+        if adaptive and distill.switch_schedule is not None:
+            raise SparrowError("schedule adaptive and switch_schedule both choose the rollout schedule; give one")
         switch = None
         if distill.switch_schedule is not None:
             switch = self.sparse.parse(distill.switch_schedule)
@@ -279,7 +303,8 @@ class TrainConfig:
             raise SparrowError("probe_data is only used by the switch probes; give switch_schedule as well")
         _check_file("probe_data", distill.probe_data)
         rewards = self.data.rewards()
-        self.parsed = Parsed(self.sparse.config(), schedule, switch, self.sparse.parse(self.eval.schedule), rewards)
+        self.parsed = Parsed(self.sparse.config(), schedule, adaptive, switch, self.sparse.parse(self.eval.schedule),
+                             rewards)
         self._check_answers()
 
     def step_config(self):

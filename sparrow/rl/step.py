@@ -23,8 +23,8 @@ from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
-from sparrow.measure.tail import bin_tails
 from sparrow.measure.metrics import acceptance_bounds, tail_stats
+from sparrow.measure.tail import bin_tails
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend
@@ -79,6 +79,8 @@ class StepBatch:
     bounds: torch.Tensor | None = None  # [tokens, 2] lower / upper acceptance bounds
     exact: torch.Tensor | None = None  # [tokens] exact acceptance of the monitored rows (positions in exact_at)
     exact_at: torch.Tensor | None = None
+    measure: dict = field(default_factory=dict)  # name -> schedule, also teacher-forced on the monitored rows
+    measured: dict = field(default_factory=dict)  # name -> [tokens] their exact acceptance (positions in exact_at)
     logp_ref: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     timing: dict = field(default_factory=dict)
@@ -140,6 +142,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     logp_old = torch.zeros_like(batch.rollout_logprobs)
     bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
     exact = torch.full_like(batch.mask, float("nan"))
+    extra = {name: torch.full_like(batch.mask, float("nan")) for name in step.measure}
     monitored = _monitored(policy, step, cfg, number)
     monitor_s = 0.0
     for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg):
@@ -156,12 +159,16 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
             began = time.perf_counter()
             exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
                                             dense_logits=logits)
+            for name, schedule in step.measure.items():
+                extra[name][piece] = piece_acceptance(policy.model, batch, piece, schedule, cfg.sparse, temperature,
+                                                      dense_logits=logits)
             monitor_s += time.perf_counter() - began
     valid = batch.mask.bool()
     step.logp_old, step.bounds = logp_old, bounds[valid]
     if monitored:
         measured = valid & ~exact.isnan()
         step.exact, step.exact_at = exact[measured], batch.positions[measured]
+        step.measured = {name: values[measured] for name, values in extra.items()}
         step.timing["time/monitor_s"] = monitor_s
     if cfg.grpo.kl_coef > 0:
         if policy.reference is None:
@@ -343,14 +350,16 @@ def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
     }
 
 
-def grpo_step(policy: Policy, backend: RolloutBackend, examples: list[Example], reward_fns: list,
-              schedule: Schedule, cfg: StepConfig, seed: int, number: int = 0) -> dict:
-    """Run one step (number `number`, for messages) on `examples` and return its metrics (see `step_metrics`).
+def run_step(policy: Policy, backend: RolloutBackend, examples: list[Example], reward_fns: list,
+             schedule: Schedule, cfg: StepConfig, seed: int, number: int = 0,
+             measure: dict[str, Schedule] | None = None) -> StepBatch:
+    """Run one step (number `number`, for messages) on `examples`; returns its filled `StepBatch`.
 
-    With `policy.distiller` (DistillSparse), the recompute and the policy update run with its adapter disabled,
-    and after the policy step the adapter takes its own step (`distill/...` metrics).
+    `measure` names further schedules whose exact acceptance is measured on the monitored rows (the adaptive
+    schedule's cheaper candidate). With `policy.distiller` (DistillSparse), the recompute and the policy update
+    run with its adapter disabled, and after the policy step the adapter takes its own step (`distill/...`).
     """
-    step = StepBatch(examples, schedule)
+    step = StepBatch(examples, schedule, measure=dict(measure or {}))
     policy.model.eval()
     rollout(backend, step, cfg, seed)
     score(step, reward_fns)
@@ -359,4 +368,10 @@ def grpo_step(policy: Policy, backend: RolloutBackend, examples: list[Example], 
     update(policy, step, cfg, number)
     with _Clock(step, "sync"):
         backend.sync_weights(policy.model)
-    return step_metrics(step, cfg)
+    return step
+
+
+def grpo_step(policy: Policy, backend: RolloutBackend, examples: list[Example], reward_fns: list,
+              schedule: Schedule, cfg: StepConfig, seed: int, number: int = 0) -> dict:
+    """`run_step` and its metrics (see `step_metrics`)."""
+    return step_metrics(run_step(policy, backend, examples, reward_fns, schedule, cfg, seed, number), cfg)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
+from sparrow.engine import encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.io import append_jsonl
@@ -24,10 +25,11 @@ from sparrow.typed_config import to_nested
 
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
+from .adaptive import AdaptiveState, by_bin, start_state, update
 from .distill import Distiller, SwitchState, attach_adapter, base_parameters, observe_probe, probe
 from .report import write_report
 from .run_dir import RunLock, check_resume_config, repair_metrics
-from .step import Policy, grpo_step
+from .step import Policy, run_step, step_metrics
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
 _PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
@@ -99,9 +101,12 @@ def _train(config: TrainConfig, log) -> list[dict]:
     schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
     adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
     start, switch = 0, SwitchState()
+    adaptive = _adaptive_start(config, examples, tokenizer) if config.parsed.adaptive else None
     if resume_from is not None:
         state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
         start, switch = state["step"], SwitchState.from_json(state.get("switch"))
+        if adaptive is not None:
+            adaptive = AdaptiveState.from_json(state["adaptive"])
         backend.sync_weights(policy.model)
         log(f"resumed from {resume_from[1]} at step {start}")
     from torch.utils.tensorboard import SummaryWriter
@@ -115,8 +120,16 @@ def _train(config: TrainConfig, log) -> list[dict]:
     for step in range(start, grpo.steps):
         began = time.perf_counter()
         batch = [examples[i] for i in sampler.batch(step)]
-        metrics = grpo_step(policy, backend, batch, rewards, candidate if switch.switched else schedule, step_cfg,
-                            seed=run.seed * 1_000_003 + step, number=step + 1)
+        if adaptive is not None:
+            schedule = adaptive.schedule()
+        done = run_step(policy, backend, batch, rewards, candidate if switch.switched else schedule, step_cfg,
+                        seed=run.seed * 1_000_003 + step, number=step + 1,
+                        measure={"cheaper": adaptive.schedule(-1)} if adaptive is not None else None)
+        metrics = step_metrics(done, step_cfg)
+        if adaptive is not None:
+            adaptive, moved = _adapt(config, adaptive, done, metrics)
+            for event in moved:
+                log(f"step {step + 1}: adaptive schedule: {event}")
         if candidate is not None:
             switch, probed = _probe_step(config, policy, backend, probes, candidate, switch, step + 1, log)
             metrics.update(probed)
@@ -136,13 +149,37 @@ def _train(config: TrainConfig, log) -> list[dict]:
             _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
         if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
             save_checkpoint(out, step + 1, policy.model, tokenizer, policy.optimizer,
-                            {"config": to_nested(config), "switch": switch.to_json()}, run.keep_last,
-                            adapter_optimizer)
+                            {"config": to_nested(config), "switch": switch.to_json(),
+                             **({"adaptive": adaptive.to_json()} if adaptive is not None else {})},
+                            run.keep_last, adapter_optimizer)
     board.close()
     backend.close()
     write_report([out], out)
     log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
     return history
+
+
+def _adaptive_start(config: TrainConfig, examples: list, tokenizer) -> AdaptiveState:
+    """The adaptive schedule's first state: `adaptive_start`'s budgets on bins of `bin_size` up to the longest
+    prompt plus max_new_tokens."""
+    longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
+    sparse = config.parsed.sparse
+    return start_state(config.parsed.schedule, config.monitor.bin_size, longest, sparse.page_size,
+                       sparse.always_kept_pages)
+
+
+def _adapt(config: TrainConfig, state: AdaptiveState, done, metrics: dict) -> tuple[AdaptiveState, list[str]]:
+    """Advance the adaptive schedule on this step's exact acceptance (the schedule in force and one rung cheaper);
+    its budgets in force this step go into `metrics` as `adaptive/bin_<start>/budget`."""
+    for i, budget in enumerate(state.budgets):
+        metrics[f"adaptive/bin_{i * state.bin_size}/budget"] = budget
+    if done.exact is None:
+        return state, []
+    positions = done.exact_at.cpu().numpy()
+    size, ad = state.bin_size, config.adaptive
+    return update(state, by_bin(done.exact.cpu().numpy(), positions, size),
+                  by_bin(done.measured["cheaper"].cpu().numpy(), positions, size), config.monitor.tau, ad.margin,
+                  ad.patience, ad.min_tokens)
 
 
 def _evaluate(config: TrainConfig, backend, examples: list, rewards: list, step: int, out: Path, board,

@@ -1,0 +1,124 @@
+"""The adaptive schedule: each length bin's KV budget moves, during training, to the cheapest budget whose exact
+acceptance tail holds tau (pure; the trainer feeds it the measurements it already makes).
+
+Budgets live on a ladder of whole pages: the always-kept pages, then doubling page counts, up to a budget that
+covers the bin (dense there). Every step the rollouts are sampled under the schedule in force, and the monitored
+rows are teacher-forced twice through the sparse actor: under that schedule (the exact acceptance the monitor
+reports) and under the schedule one rung cheaper in every bin. The second measurement is slightly off-policy
+(the prefixes were sampled one rung up), which is what makes the cheaper budget measurable without paying for
+rollouts it might spoil. Per bin with at least `min_tokens` measured tokens:
+
+* up: if the 95% interval of the current p5 lies below tau, the bin moves one rung up at once; if only the
+  estimate is below tau, after `patience` such steps in a row;
+* down: if the lower end of the cheaper budget's p5 interval reaches tau + margin on `patience` steps in a row,
+  the bin moves one rung down.
+
+Raising on weak evidence and lowering only on certain evidence with a margin is the hysteresis: a bin does not
+oscillate between two rungs around tau. The state (budgets and streaks) is small and saved in checkpoints, so a
+resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from sparrow.errors import SparrowError
+from sparrow.measure.tail import quantile_interval
+from sparrow.schedules import Schedule
+
+
+def ladder(page_size: int, always_kept_pages: int, max_length: int) -> list[int]:
+    """Budgets in tokens: the always-kept pages, then 2^k pages, up to the first that covers `max_length`."""
+    pages = [always_kept_pages]
+    k = 1
+    while pages[-1] * page_size < max_length:
+        k *= 2
+        if k > pages[-1]:
+            pages.append(k)
+    return [p * page_size for p in pages]
+
+
+@dataclass(frozen=True)
+class AdaptiveState:
+    """Per length bin [i * bin_size, (i + 1) * bin_size): the budget's rung on the ladder and the two streaks."""
+
+    bin_size: int
+    ladder: tuple[int, ...]
+    rungs: tuple[int, ...]
+    up_streaks: tuple[int, ...]
+    down_streaks: tuple[int, ...]
+
+    @property
+    def budgets(self) -> list[int]:
+        return [self.ladder[r] for r in self.rungs]
+
+    def schedule(self, offset: int = 0) -> Schedule:
+        """The schedule in force (`offset` -1: every bin one rung cheaper, never below the ladder's first)."""
+        starts = [i * self.bin_size for i in range(len(self.rungs))]
+        budgets = [self.ladder[max(0, min(len(self.ladder) - 1, r + offset))] for r in self.rungs]
+        return Schedule(",".join(f"{s}:{b}" for s, b in zip(starts, budgets)), tuple(starts), tuple(budgets))
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> AdaptiveState:
+        return cls(data["bin_size"], *(tuple(data[k]) for k in ("ladder", "rungs", "up_streaks", "down_streaks")))
+
+
+def start_state(start: Schedule, bin_size: int, max_length: int, page_size: int,
+                always_kept_pages: int) -> AdaptiveState:
+    """The state whose budgets are `start`'s at each bin's first length, rounded up to the ladder (a dense start
+    is the covering rung)."""
+    steps = ladder(page_size, always_kept_pages, max_length)
+    bins = -(-max_length // bin_size)
+    rungs = []
+    for i in range(bins):
+        wanted = max_length if start.is_dense else start.budget_at(max(1, i * bin_size))
+        rungs.append(next((r for r, b in enumerate(steps) if b >= wanted), len(steps) - 1))
+    zeros = (0,) * bins
+    return AdaptiveState(bin_size, tuple(steps), tuple(rungs), zeros, zeros)
+
+
+def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[int, np.ndarray], tau: float,
+           margin: float, patience: int, min_tokens: int) -> tuple[AdaptiveState, list[str]]:
+    """The state after one step's measurements ({bin index: exact acceptance of its tokens} under the schedule in
+    force and under the one-rung-cheaper schedule) and what moved, as messages."""
+    if patience < 1 or min_tokens < 1 or not 0 <= margin < 1:
+        raise SparrowError(f"adaptive schedule needs patience >= 1, min_tokens >= 1 and margin in [0, 1), got "
+                           f"{patience}, {min_tokens}, {margin}")
+    rungs, ups, downs = list(state.rungs), list(state.up_streaks), list(state.down_streaks)
+    events = []
+    for b in range(len(rungs)):
+        values = current.get(b)
+        if values is None or len(values) < min_tokens:
+            continue
+        low, p5, high = quantile_interval(values)
+        span = f"[{b * state.bin_size}, {(b + 1) * state.bin_size})"
+        ups[b] = ups[b] + 1 if p5 < tau else 0
+        if (high < tau or ups[b] >= patience) and rungs[b] + 1 < len(state.ladder):
+            rungs[b] += 1
+            ups[b] = downs[b] = 0
+            events.append(f"bin {span}: p5 {p5:.3f} (interval {low:.3f}..{high:.3f}) below tau {tau}; budget up "
+                          f"to {state.ladder[rungs[b]]}")
+            continue
+        lower = cheaper.get(b)
+        if rungs[b] == 0 or lower is None or len(lower) < min_tokens:
+            downs[b] = 0
+            continue
+        low_c, p5_c, _ = quantile_interval(lower)
+        downs[b] = downs[b] + 1 if low_c >= tau + margin else 0
+        if downs[b] >= patience:
+            rungs[b] -= 1
+            ups[b] = downs[b] = 0
+            events.append(f"bin {span}: p5 at {state.ladder[rungs[b]]} tokens is {p5_c:.3f} (>= {low_c:.3f}, "
+                          f"above tau {tau} + margin {margin}); budget down to {state.ladder[rungs[b]]}")
+    return AdaptiveState(state.bin_size, state.ladder, tuple(rungs), tuple(ups), tuple(downs)), events
+
+
+def by_bin(alpha: np.ndarray, positions: np.ndarray, bin_size: int) -> dict[int, np.ndarray]:
+    """{bin index: the acceptance values of the tokens whose cached length falls in it}."""
+    bins = np.asarray(positions) // bin_size
+    return {int(b): np.asarray(alpha)[bins == b] for b in np.unique(bins)}
