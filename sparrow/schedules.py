@@ -163,6 +163,22 @@ def parse_schedule(spec: str, page_size: int = 16, always_kept_pages: int = 3) -
     return schedule
 
 
+def split_schedules(text: str) -> list[str]:
+    """'const:256,const:512,dense' -> specs. Pieces starting with a digit continue the previous spec (so
+    'steps:1000:256,512' stays whole); ';' separates specs outright."""
+    if ";" in text:
+        return [s.strip() for s in text.split(";") if s.strip()]
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if specs and piece[0].isdigit():
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def _parse(spec: str, page_size: int) -> Schedule:
     """Dispatch on the spec's form, without validation."""
     if spec == "dense":

@@ -20,6 +20,7 @@ from sparrow.schedules import (
     page_bin_starts,
     parse_schedule,
     preset_names,
+    split_schedules,
     steps,
     write_schedule_json,
 )
@@ -160,6 +161,14 @@ def test_explicit_pairs():
     assert schedule.starts == (0, 2000, 4000) and schedule.budgets == (256, 512, 1024)
     assert schedule.budget_for(torch.tensor([1999, 2000, 3999, 4000, 9000])).tolist() == [256, 512, 512, 1024,
                                                                                             1024]
+
+
+def test_split_schedules_keeps_comma_lists_of_one_spec_whole():
+    assert split_schedules("const:256, const:512,dense") == ["const:256", "const:512", "dense"]
+    assert split_schedules("steps:1000:256,512,0:48,const:64") == ["steps:1000:256,512,0:48", "const:64"]
+    assert split_schedules("0:48,5:96,dense") == ["0:48,5:96", "dense"]
+    assert split_schedules("0:256,2000:512; const:64 ;") == ["0:256,2000:512", "const:64"]
+    assert split_schedules(" , ") == []
 
 
 def test_json_file_forms(tmp_path):

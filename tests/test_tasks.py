@@ -5,7 +5,8 @@ import re
 
 from sparrow.cli import main
 from sparrow.models import tiny_tokenizer
-from sparrow.tasks import passkey, prompt_length
+from sparrow.tasks import passkey
+from sparrow.tasks.fitting import prompt_length
 from sparrow.tasks.records import make_prompts
 
 

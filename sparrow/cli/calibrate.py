@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from sparrow.errors import SparrowError
-from sparrow.measure.calibration import calibrate, check_profile
+from sparrow.measure.calibration import calibrate
 from sparrow.measure.cost_model import compare, hardware
+from sparrow.measure.model_shapes import model_dims
+from sparrow.measure.profiling import read_profile
 from sparrow.schedules import write_schedule_json
 
 from .common import check_output, require_file
 from .config import add_config_options, load_config
-from .cost import model_dims
 
 
 @dataclass
@@ -49,18 +48,6 @@ HELP = {
     "bandwidth": "memory bandwidth in bytes/s (required for cpu)",
     "samples": "samples per prompt assumed by the predicted speedup",
 }
-
-
-def read_profile(path: str) -> dict:
-    """The profile.json at `path`, checked to have the shape 'sparrow profile' writes."""
-    try:
-        profile = json.loads(Path(path).read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise SparrowError(f"profile {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise SparrowError(f"profile {path!r} is not valid JSON: {err}") from None
-    check_profile(profile, f"profile {path!r}")
-    return profile
 
 
 def run(args) -> int:

@@ -11,26 +11,10 @@ from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.measure.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
 from sparrow.rollout import NativeBackend
-from sparrow.schedules import Schedule, parse_schedule
+from sparrow.schedules import Schedule, parse_schedule, split_schedules
 
 from .common import MODEL_HELP, ModelOptions, check_output, require_file
 from .config import add_config_options, load_config
-
-
-def split_schedules(text: str) -> list[str]:
-    """'const:256,const:512,dense' -> specs. Pieces starting with a digit continue the previous spec (so
-    'steps:1000:256,512' stays whole); ';' separates specs outright."""
-    if ";" in text:
-        return [s.strip() for s in text.split(";") if s.strip()]
-    specs: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if specs and piece[0].isdigit():
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    return specs
 
 
 @dataclass

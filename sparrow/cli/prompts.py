@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
-from sparrow.tasks import passkey, records
+from sparrow.tasks import get_task
 
 from .common import check_output
 from .config import add_config_options, load_config
-
-TASKS = {"records": records.make_prompts, "passkey": passkey.make_prompts}
 
 
 @dataclass
@@ -25,8 +23,7 @@ class PromptsConfig:
     out: str | None = None
 
     def validate(self) -> None:
-        if self.task not in TASKS:
-            raise SparrowError(f"unknown task {self.task!r}: expected one of {', '.join(TASKS)}")
+        get_task(self.task)
         if self.count < 1 or self.min_tokens < 1:
             raise SparrowError(f"count and min_tokens must be >= 1, got {self.count} and {self.min_tokens}")
         if self.seed < 0:
@@ -50,7 +47,7 @@ def run(args) -> int:
     from sparrow.models import load_model
 
     _, tokenizer = load_model(config.model)
-    rows = TASKS[config.task](config.count, config.min_tokens, config.seed, tokenizer)
+    rows = get_task(config.task)(config.count, config.min_tokens, config.seed, tokenizer)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:
         atomic_write_text(config.out, text)

@@ -2,8 +2,10 @@
 
 For each schedule, `profile_schedule` samples completions with that schedule from a rollout backend, then
 teacher-forces their tokens through the sparse actor and the dense policy (`sparrow.measure.acceptance`), so every
-generated token gets its exact acceptance rate against the dense policy on the same prefix. The raw per-token values are kept (one .npz per schedule) so statistics can be recomputed with any
-bin size; `run_profile` skips schedules whose values are already on disk, which makes an interrupted run resume.
+generated token gets its exact acceptance rate against the dense policy on the same prefix. The raw per-token values
+are kept (one .npz per schedule) so statistics can be recomputed with any bin size; `run_profile` skips schedules
+whose values are already on disk, which makes an interrupted run resume. `read_profile` reads a written profile.json
+back, checked to have the shape `sparrow calibrate` needs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, atomic_write_text
 from sparrow.measure.acceptance import teacher_forced_acceptance
+from sparrow.measure.calibration import check_profile
 from sparrow.measure.metrics import tail_stats
 from sparrow.schedules import Schedule
 
@@ -171,6 +174,18 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
     atomic_write_json(out_dir / "profile.json", profile)
     write_csv(out_dir / "profile.csv", summary)
     plot_profile(out_dir, summary, samples, origin)
+    return profile
+
+
+def read_profile(path: str) -> dict:
+    """The profile.json at `path`, checked to have the shape 'sparrow profile' writes."""
+    try:
+        profile = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise SparrowError(f"profile {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise SparrowError(f"profile {path!r} is not valid JSON: {err}") from None
+    check_profile(profile, f"profile {path!r}")
     return profile
 
 

@@ -1,38 +1,21 @@
-"""Built-in prompt sets generated from a seed (no download): `records` and `passkey`."""
+"""Built-in prompt sets generated from a seed (no download), by name: `records` (profiling) and `passkey` (RL).
+
+Each task is `make_prompts(count, min_tokens, seed, tokenizer) -> list of {"prompt": messages, "answer": ...}`.
+"""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
 from sparrow.errors import SparrowError
 
+from . import passkey, records
 
-def prompt_length(tokenizer, messages: list[dict]) -> int:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+TASKS: dict[str, Callable[..., list[dict]]] = {"records": records.make_prompts, "passkey": passkey.make_prompts}
 
 
-def fit_examples(make_example: Callable[[random.Random, int], dict], count: int, min_tokens: int, seed: int,
-                 tokenizer, tokens_per_entry: int) -> list[dict]:
-    """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer`.
-
-    `make_example(rng, entries)` builds one example from `entries` filler lines; the entry count grows until the
-    prompt is long enough, replaying the same random draws, so the result depends only on the seed.
-    """
-    if count < 1 or min_tokens < 1:
-        raise SparrowError(f"count and min_tokens must be >= 1, got {count} and {min_tokens}")
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(count):
-        entries = max(1, min_tokens // tokens_per_entry)
-        while True:
-            state = rng.getstate()
-            example = make_example(rng, entries)
-            length = prompt_length(tokenizer, example["prompt"])
-            if length >= min_tokens:
-                break
-            rng.setstate(state)
-            entries += max(1, (min_tokens - length) // tokens_per_entry + 1)
-        examples.append(example)
-    return examples
+def get_task(name: str) -> Callable[..., list[dict]]:
+    """The `make_prompts` of the task called `name`."""
+    if name not in TASKS:
+        raise SparrowError(f"unknown task {name!r}: expected one of {', '.join(TASKS)}")
+    return TASKS[name]

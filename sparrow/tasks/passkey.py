@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from sparrow.tasks import fit_examples
+from sparrow.tasks.fitting import fit_examples
 from sparrow.tasks.records import ITEMS, NAMES, PLACES
 
 

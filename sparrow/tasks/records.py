@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from sparrow.tasks import fit_examples
+from sparrow.tasks.fitting import fit_examples
 
 NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jonas", "Keiko", "Lena",
          "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wen", "Yusuf"]
