@@ -512,10 +512,7 @@ class _Run:
         self.returncode: int | None = None
 
     def wait(self, deadline: float) -> None:
-        try:
-            self.proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            self.timed_out = True
+        self.timed_out = not wait_exit(self.proc, deadline - time.monotonic())
         self.finish()
 
     def finish(self) -> None:
@@ -556,6 +553,26 @@ class _Run:
         if rc != 0 and any(marker in tail for marker in _MEMORY_MARKERS):
             return "memory"
         return "crash" if rc != 0 else "ok"
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit (True if it did) and reap it then. A pidfd wakes up the
+    moment it exits; Popen.wait(timeout) polls with sleeps of up to 50 ms, which every run would pay."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout=max(timeout, 0))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    try:
+        exited, _, _ = select.select([pidfd], [], [], max(timeout, 0))
+    finally:
+        os.close(pidfd)
+    if exited:
+        proc.wait()
+    return bool(exited)
 
 
 def _reap_all() -> None:

@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
+from sparrow.rewards.harness import wait_exit
 
 UNSAFE_ENV = "SPARROW_UNSAFE_CODE_REWARD"
 SCRATCH = "/sandbox"
@@ -75,7 +76,8 @@ class Outcome:
 
 def python() -> str:
     """The interpreter that runs the harness and the programs: the base installation, not a virtual environment,
-    so the project's packages are not importable."""
+    so the project's packages are not importable. The judge runs it with ``-S`` (it needs only the standard
+    library, and skipping site saves a fifth of its start); programs get the usual site (``exit()`` and friends)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
@@ -121,7 +123,7 @@ def _bwrap_argv(bwrap: str, as_root: bool) -> tuple[str, ...]:
     argv += ["--ro-bind", HARNESS, _INNER_HARNESS, "--proc", "/proc", "--dev", "/dev",
              "--perms", "0755", "--size", str(SCRATCH_BYTES), "--tmpfs", SCRATCH, "--remount-ro", "/",
              "--chdir", SCRATCH, "--clearenv", "--setenv", "LANG", "C.UTF-8", "--setenv", "PATH", "/usr/bin:/bin",
-             "--", python(), "-I", "-B", _INNER_HARNESS]
+             "--", python(), "-I", "-S", "-B", _INNER_HARNESS]
     return tuple(argv)
 
 
@@ -170,18 +172,15 @@ def _launch(job: dict, sandboxed: bool, base_dir: str | None) -> Outcome:
     if sandboxed:
         argv, cwd = _bwrap_argv(shutil.which("bwrap") or "bwrap", as_root), "/"
     else:
-        argv, cwd = [python(), "-I", "-B", HARNESS], scratch
+        argv, cwd = [python(), "-I", "-S", "-B", HARNESS], scratch
     try:
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
             fin.write(json.dumps(job).encode("utf-8"))
             fin.seek(0)
             proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=_HOST_ENV,
                                     start_new_session=True)
-            killed = False
-            try:
-                proc.wait(timeout=job["timeout"] + GRACE_S)
-            except subprocess.TimeoutExpired:
-                killed = True
+            killed = not wait_exit(proc, job["timeout"] + GRACE_S)
+            if killed:
                 os.killpg(proc.pid, signal.SIGKILL)  # not yet reaped, so the group id is still ours
                 proc.wait()
             records, finished = _read_report(fout)
