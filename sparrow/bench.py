@@ -40,11 +40,13 @@ def _sync(device: torch.device) -> None:
 
 def kv_bytes_per_step(engine: RolloutEngine, schedule: Schedule, cached: int, batch: int) -> dict:
     """Bytes of keys/values (and landmarks) one decode step reads, dense vs sparse, plus the weights' bytes."""
-    width = 2 * engine.kv_heads * engine.head_dim * torch.finfo(engine.dtype).bits // 8  # K and V per token
+    element = torch.finfo(engine.dtype).bits // 8
+    width = 2 * engine.kv_heads * engine.head_dim * element  # K and V per token
     dense = engine.num_layers * cached * width * batch
     sparse_layers = engine.num_layers - len(engine.sparse.dense_layers)
     attended = min(schedule.budget_at(cached), cached) if not schedule.is_dense else cached
-    landmarks = (cached // engine.sparse.page_size) * width // 2 * (2 if engine.sparse.landmark == "quest" else 1)
+    page = engine.sparse.page_landmark.bytes_per_page(engine.kv_heads, engine.head_dim, element)
+    landmarks = (cached // engine.sparse.page_size) * page
     sparse = (len(engine.sparse.dense_layers) * cached * width + sparse_layers * (attended * width + landmarks)) * batch
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return {"weights": weights, "dense_kv": dense, "sparse_kv": sparse}

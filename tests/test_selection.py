@@ -1,5 +1,8 @@
-"""The page-selection rule and landmark scores, pinned on small hand-made inputs."""
+"""The page-selection rule and landmark scores, pinned on small hand-made inputs; the landmark registry's costs."""
 
+import types
+
+import pytest
 import torch
 
 from sparrow.attention import (
@@ -9,6 +12,11 @@ from sparrow.attention import (
     quest_scores,
     select_pages,
 )
+from sparrow.attention.landmarks import LANDMARKS, REGISTRY, get_landmark
+from sparrow.bench import kv_bytes_per_step
+from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import ModelDims, hardware, step_cost
+from sparrow.schedules import const
 
 
 def _chosen(pages, valid):
@@ -73,9 +81,10 @@ def test_quest_score_is_the_per_head_upper_bound_maximized_over_the_group():
 
 
 def test_landmarks_are_finished_when_a_page_fills_and_match_the_page_keys():
-    for landmark in ("centroid", "quest"):
+    for landmark in LANDMARKS:
         sparse = SparseConfig(page_size=4, landmark=landmark)
         cache = KVCache(1, 2, 1, 3, 16, sparse, torch.float32, torch.device("cpu"))
+        assert len(cache.landmarks[0]) == REGISTRY[landmark].tensors
         keys = torch.randn(2, 11, 3)
         cache.write_prompt(0, torch.tensor([0, 1]), keys[0, :5].view(1, 5, 3), keys[0, :5].view(1, 5, 3))
         cache.lengths[:] = 5
@@ -88,3 +97,43 @@ def test_landmarks_are_finished_when_a_page_fills_and_match_the_page_keys():
         for store, want in zip(cache.landmarks[0], expected):
             assert torch.allclose(store[0, 0, :2], want) and torch.allclose(store[1, 0, :2], want)
             assert store[:, :, 2].abs().sum() == 0  # page 2 holds 3 of 4 tokens: no landmark yet
+
+
+def test_registry_bytes_and_scoring_flops_per_page():
+    centroid, quest = REGISTRY["centroid"], REGISTRY["quest"]
+    assert LANDMARKS == ("centroid", "quest")
+    assert centroid.bytes_per_page(kv_heads=2, head_dim=64, element_bytes=2) == 2 * 64 * 2  # one mean key per head
+    assert quest.bytes_per_page(kv_heads=2, head_dim=64, element_bytes=2) == 2 * 2 * 64 * 2  # min and max
+    assert centroid.score_flops_per_page(heads=8, kv_heads=2, head_dim=64) == 2 * 2 * 64  # group-mean query
+    assert quest.score_flops_per_page(heads=8, kv_heads=2, head_dim=64) == 2 * 2 * 8 * 64  # two bounds per head
+
+
+def test_cost_model_prices_landmarks_from_the_registry():
+    dims = ModelDims(layers=4, hidden=128, heads=8, kv_heads=2, head_dim=64, intermediate=256, vocab=100,
+                     params=10_000, tied_embeddings=True)
+    for name, lm in REGISTRY.items():
+        cost = step_cost(dims, hardware("h200"), batch=3, cached=160, budget=64, page_size=16, dense_layers=1,
+                         landmark=name)
+        assert cost.landmark_bytes == 3 * lm.bytes_per_page(2, 64, 2) * 3 * 10  # 3 sparse layers, 10 full pages
+        assert cost.score_flops == 3 * lm.score_flops_per_page(8, 2, 64) * 3 * 10
+
+
+def test_bench_bytes_per_step_read_the_landmark_bytes_of_the_registry():
+    def engine(landmark):
+        return types.SimpleNamespace(num_layers=4, kv_heads=2, head_dim=8, dtype=torch.float32,
+                                     sparse=SparseConfig(landmark=landmark), model=torch.nn.Linear(2, 3))
+
+    width = 2 * 2 * 8 * 4  # K and V of one token, float32
+    for name, marks in (("centroid", 6 * 64), ("quest", 6 * 128)):  # 100 tokens: 6 full pages of 2 * 8 * 4 bytes
+        got = kv_bytes_per_step(engine(name), const(48), cached=100, batch=2)
+        assert got == {"weights": 9 * 4, "dense_kv": 4 * 100 * width * 2,
+                       "sparse_kv": (2 * 100 * width + 2 * (48 * width + marks)) * 2}
+
+
+def test_unknown_landmark_is_one_message_wherever_it_is_named():
+    message = "unknown landmark 'mean': expected one of centroid, quest"
+    for build in (lambda: get_landmark("mean"), lambda: SparseConfig(landmark="mean"),
+                  lambda: step_cost(ModelDims(2, 8, 2, 1, 4, 16, 10, 100, True), hardware("h200"), 1, 64, 48, 16,
+                                    landmark="mean")):
+        with pytest.raises(SparrowError, match=message):
+            build()

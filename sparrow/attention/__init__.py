@@ -1,10 +1,12 @@
-"""Block-sparse attention (SPEC section 3): configuration, page selection, KV cache, kernels, model hook."""
+"""Block-sparse attention (SPEC section 3): configuration, page landmarks, page selection, KV cache, kernels and
+the model hook."""
 
 from . import cpu_kernel
 from .config import SparseConfig
 from .interface import AttentionContext, enable_sparse_attention
 from .kv_cache import KVCache
-from .selection import centroid_scores, quest_scores, select_pages
+from .landmarks import centroid_scores, quest_scores
+from .selection import select_pages
 
 __all__ = [
     "AttentionContext",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 
-LANDMARKS = ("centroid", "quest")
+from .landmarks import Landmark, get_landmark
 
 
 @dataclass(frozen=True)
@@ -14,8 +14,9 @@ class SparseConfig:
     """Block-sparse attention settings (SPEC section 3); defaults are the release's.
 
     page_size: tokens per KV page. sink_pages / recent_pages: pages always attended at the start and end of the
-    cache. dense_layers: layer indices that always attend densely. landmark: `centroid` (mean key per page, scored
-    with the group-mean query) or `quest` (per-channel min/max keys, upper-bound score maximized over the group).
+    cache. dense_layers: layer indices that always attend densely. landmark: the name of a page landmark in
+    landmarks.REGISTRY, `centroid` (mean key per page, scored with the group-mean query) or `quest` (per-channel
+    min/max keys, upper-bound score maximized over the group).
     """
 
     page_size: int = 16
@@ -32,8 +33,7 @@ class SparseConfig:
                 "need sink_pages >= 0 and recent_pages >= 1 (the current page), "
                 f"got {self.sink_pages}, {self.recent_pages}"
             )
-        if self.landmark not in LANDMARKS:
-            raise SparrowError(f"unknown landmark {self.landmark!r}: expected one of {', '.join(LANDMARKS)}")
+        get_landmark(self.landmark)
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
 
     @classmethod
@@ -47,4 +47,10 @@ class SparseConfig:
 
     @property
     def always_kept_pages(self) -> int:
+        """Pages every sparse step attends whatever their scores: the sink pages and the most recent ones."""
         return self.sink_pages + self.recent_pages
+
+    @property
+    def page_landmark(self) -> Landmark:
+        """The registry entry of `landmark`: how pages are summarised and scored, and what that costs."""
+        return get_landmark(self.landmark)

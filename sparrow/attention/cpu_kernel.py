@@ -112,6 +112,8 @@ def usable(query: torch.Tensor) -> bool:
 
 
 def sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total, sparse, scaling: float):
-    """queries [B, Hkv, G, D]; keys/values [B, Hkv, P, page, D]; landmarks [B, Hkv, P, D] each -> [B, Hkv, G, D]."""
+    """queries [B, Hkv, G, D]; keys/values [B, Hkv, P, page, D]; landmarks: the cache's tensors of a landmark the
+    registry marks `compiled`, [B, Hkv, P, D] each, in its order ([centroid] or [kmin, kmax]: the kernel tells
+    them apart by count) -> [B, Hkv, G, D]."""
     return _module.sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total,
                                  sparse.sink_pages, sparse.recent_pages, float(scaling))

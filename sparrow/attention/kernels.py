@@ -14,13 +14,7 @@ import torch.nn.functional as F
 from . import cpu_kernel
 from .config import SparseConfig
 from .kv_cache import DecodeStep, KVCache
-from .selection import centroid_scores, quest_scores, select_pages
-
-
-def _scores(queries: torch.Tensor, landmarks: list[torch.Tensor], sparse: SparseConfig) -> torch.Tensor:
-    if sparse.landmark == "quest":
-        return quest_scores(queries, landmarks[0], landmarks[1])
-    return centroid_scores(queries, landmarks[0])
+from .selection import select_pages
 
 
 def prefill_attention(query, key, value, cache: KVCache, layer: int, rows: torch.Tensor, scaling: float):
@@ -42,7 +36,7 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
         keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
         values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
         mask = step.dense_mask
-    elif cpu_kernel.usable(query):
+    elif sparse.page_landmark.compiled and cpu_kernel.usable(query):
         out = cpu_kernel.sparse_decode(queries, cache.keys[layer], cache.values[layer], cache.landmarks[layer],
                                        step.n_pages, step.budget_pages, step.total, sparse, scaling)
         return out.reshape(batch, 1, q_heads, dim)
@@ -50,7 +44,7 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
         ps = sparse.page_size
         used = int(step.n_pages.max())
         landmarks = [m[:, :, :used] for m in cache.landmarks[layer]]
-        scores = _scores(queries.unsqueeze(2), landmarks, sparse).squeeze(2)  # [B, Hkv, P]
+        scores = sparse.page_landmark.score(queries.unsqueeze(2), *landmarks).squeeze(2)  # [B, Hkv, P]
         pages, valid = select_pages(scores, step.n_pages[:, None], step.budget_pages[:, None],
                                     sparse.sink_pages, sparse.recent_pages)
         k = pages.shape[-1]
@@ -72,7 +66,7 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     query [B, H, Tq, D] holds the last Tq of the Tk positions whose keys/values [B, Hkv, Tk, D] are given (Tq < Tk
     when the first Tk - Tq come from a shared prompt's cache). Position t of row b was decoded with t+1 cached
     tokens and the budget `budget_pages[b, t - (Tk - Tq)]`; positions before `prompt_lengths[b]` came from the
-    dense prefill. Landmarks of the pages filled by then are the same mean (or min/max) of the same keys, so each
+    dense prefill. Landmarks of the pages filled by then are built from the same keys as at decode, so each
     position selects the pages it selected when decoding. Queries run in chunks of `chunk` to bound memory.
     """
     batch, q_heads, q_len, dim = query.shape
@@ -88,11 +82,8 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     group = q_heads // kv_heads
     ps = sparse.page_size
     full = length // ps
-    page_keys = key[:, :, : full * ps].reshape(batch, kv_heads, full, ps, dim)
-    if sparse.landmark == "quest":
-        marks = [page_keys.amin(dim=-2), page_keys.amax(dim=-2)]
-    else:
-        marks = [page_keys.mean(dim=-2)]
+    landmark = sparse.page_landmark
+    marks = landmark.build(key[:, :, : full * ps].reshape(batch, kv_heads, full, ps, dim))
     num_pages = -(-length // ps)
     marks = [F.pad(m, (0, 0, 0, num_pages - full)) for m in marks]
     queries = query.view(batch, kv_heads, group, q_len, dim)
@@ -106,7 +97,7 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
         budget = torch.where(in_prompt[:, start:end], n_pages, budget_pages[:, start:end])  # [B, Tc]
         q_chunk = queries[:, :, :, start:end]
         used = int(n_pages.max())
-        scores = _scores(q_chunk.transpose(2, 3), [m[:, :, :used] for m in marks], sparse)  # [B, Hkv, Tc, P]
+        scores = landmark.score(q_chunk.transpose(2, 3), *[m[:, :, :used] for m in marks])  # [B, Hkv, Tc, P]
         pages, valid = select_pages(scores, n_pages.view(1, 1, -1), budget[:, None, :],
                                     sparse.sink_pages, sparse.recent_pages)
         page_mask = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)

@@ -2,8 +2,8 @@
 
 Every sequence (row) is stored left-aligned: token i of row b sits in slot i, so pages start at slot 0 for every
 row whatever its prompt length. Keys and values are held as [rows, kv_heads, pages, page_size, head_dim] so that a
-selected page is one contiguous block. A page's landmark (centroid, or Quest's min/max) is computed once, when its
-last slot is written.
+selected page is one contiguous block. A page's landmark tensors (landmarks.py: the centroid, or Quest's min and
+max) are computed once, when its last slot is written.
 """
 
 from __future__ import annotations
@@ -71,20 +71,14 @@ class KVCache:
         lm_shape = (rows, kv_heads, self.num_pages, head_dim)
         self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]
         self.values = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        n_lm = 2 if sparse.landmark == "quest" else 1
-        self.landmarks = [[torch.zeros(lm_shape, dtype=dtype, device=device) for _ in range(n_lm)]
+        tensors = sparse.page_landmark.tensors
+        self.landmarks = [[torch.zeros(lm_shape, dtype=dtype, device=device) for _ in range(tensors)]
                           for _ in range(num_layers)]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
 
     @property
     def rows(self) -> int:
         return self.lengths.shape[0]
-
-    def _page_landmarks(self, page_keys: torch.Tensor) -> list[torch.Tensor]:
-        """page_keys [..., page_size, D] -> the landmark tensors [..., D] for full pages."""
-        if self.sparse.landmark == "quest":
-            return [page_keys.amin(dim=-2), page_keys.amax(dim=-2)]
-        return [page_keys.mean(dim=-2)]
 
     def write_prompt(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write one prompt's keys/values [Hkv, T, D] into slots 0..T-1 of every row in `rows`."""
@@ -97,7 +91,7 @@ class KVCache:
         full = length // ps
         if full:
             page_keys = key[:, : full * ps].reshape(key.shape[0], full, ps, -1)
-            for store, mark in zip(self.landmarks[layer], self._page_landmarks(page_keys)):
+            for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
                 store[rows, :, :full] = mark
 
     def begin_step(self, budget_pages: torch.Tensor | None) -> DecodeStep:
@@ -122,7 +116,7 @@ class KVCache:
         self.values[layer].view(-1, dim).index_copy_(0, step.write_index, value.reshape(-1, dim))
         if step.filled.numel():
             page_keys = self.keys[layer][step.filled, :, step.filled_pages]  # [n, Hkv, ps, D]
-            for store, mark in zip(self.landmarks[layer], self._page_landmarks(page_keys)):
+            for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
                 store[step.filled, :, step.filled_pages] = mark
 
     def keep(self, rows: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""The page-selection rule shared by the decode and teacher-forced paths (pure tensor math).
+"""The page-selection rule shared by the decode and teacher-forced paths (pure tensor math); the page scores it
+ranks come from the landmark (landmarks.py).
 
 Shapes use `...` for leading dims: (batch, kv_head) when decoding, (batch, kv_head, position) when teacher-forcing.
 """
@@ -6,26 +7,6 @@ Shapes use `...` for leading dims: (batch, kv_head) when decoding, (batch, kv_he
 from __future__ import annotations
 
 import torch
-
-
-def centroid_scores(queries: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Score pages by the dot product of the group-mean query with each page's mean key.
-
-    queries: [B, Hkv, T, G, D] (post-RoPE), centroids: [B, Hkv, P, D] -> scores [B, Hkv, T, P].
-    """
-    return queries.mean(dim=3) @ centroids.transpose(-1, -2)
-
-
-def quest_scores(queries: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound sum_c max(q_c kmax_c, q_c kmin_c) per query head, maximized over the group's heads.
-
-    Since kmax >= kmin, the max picks kmax where q_c >= 0 and kmin where q_c < 0: two matmuls.
-    queries: [B, Hkv, T, G, D], kmin/kmax: [B, Hkv, P, D] -> scores [B, Hkv, T, P].
-    """
-    kmax_t = kmax.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, P]
-    kmin_t = kmin.unsqueeze(2).transpose(-1, -2)
-    bound = queries.clamp(min=0) @ kmax_t + queries.clamp(max=0) @ kmin_t  # [B, Hkv, T, G, P]
-    return bound.amax(dim=3)
 
 
 def select_pages(scores: torch.Tensor, n_pages: torch.Tensor, budget_pages: torch.Tensor,

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from sparrow.attention import SparseConfig
+from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rl.distill import check_adapter_dir, load_adapter
@@ -17,7 +18,7 @@ MODEL_HELP = {
     "model": "smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, a .gguf file or a local Hugging Face model directory",
     "schedule": "dense, const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON schedule file",
     "page_size": "tokens per KV page",
-    "landmark": "page landmark: centroid or quest",
+    "landmark": "page landmark: " + " or ".join(LANDMARKS),
     "dense_layers": "comma-separated layer indices that always attend densely",
     "dtype": "float32, bfloat16 or float16",
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",

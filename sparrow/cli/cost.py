@@ -10,6 +10,7 @@ from sparrow.measure.cost_model import ALWAYS_KEPT_PAGES, compare, hardware, pap
 from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
 
+from .common import MODEL_HELP
 from .config import add_config_options, load_config
 
 
@@ -83,7 +84,7 @@ HELP = {
     "page_size": "tokens per KV page",
     "page_sizes": "comma-separated page sizes to compare at the same token budgets, e.g. 16,32,64,128",
     "dense_layers": "comma-separated layer indices that always attend densely",
-    "landmark": "page landmark: centroid or quest",
+    "landmark": MODEL_HELP["landmark"],
     "kv_bytes": "bytes per cached K/V element",
     "param_bytes": "bytes per weight",
     "json": "print one JSON object",

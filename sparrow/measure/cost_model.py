@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparrow.attention.landmarks import get_landmark
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
 
 ALWAYS_KEPT_PAGES = 3
 """Pages a sparse step always attends: 1 sink page and the 2 most recent pages (SPEC section 3)."""
-
-LANDMARKS = ("centroid", "quest")
 
 _CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size")
@@ -195,8 +194,7 @@ def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, by
         raise SparrowError(f"page size must be a positive integer, got {page_size}")
     if not 0 <= dense_layers <= dims.layers:
         raise SparrowError(f"dense_layers must be between 0 and the model's {dims.layers} layers, got {dense_layers}")
-    if landmark not in LANDMARKS:
-        raise SparrowError(f"unknown landmark {landmark!r}: expected one of {', '.join(LANDMARKS)}")
+    get_landmark(landmark)
     for what, value in (("bytes_per_param", bytes_per_param), ("bytes_per_kv", bytes_per_kv)):
         if not (value > 0 and math.isfinite(value)):
             raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
@@ -235,16 +233,17 @@ def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: i
     sparse_layers = dims.layers - dense_layers
     per_kv_head = dims.kv_heads * dims.head_dim
     tokens_read = dense_layers * sum_cached + sparse_layers * sum_sparse
-    lm_factor = 2 if landmark == "quest" else 1
-    score_per_page = 4 * dims.heads * dims.head_dim if landmark == "quest" else 2 * per_kv_head
+    lm = get_landmark(landmark)
+    page_bytes = lm.bytes_per_page(dims.kv_heads, dims.head_dim, bytes_per_kv)
+    page_flops = lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
     return _cost(
         hw.intensity,
         weight_bytes=steps * dims.step_params * bytes_per_param,
         kv_bytes=batch * 2 * per_kv_head * bytes_per_kv * (tokens_read + steps * dims.layers),
-        landmark_bytes=batch * lm_factor * per_kv_head * bytes_per_kv * sparse_layers * sum_scored,
+        landmark_bytes=batch * page_bytes * sparse_layers * sum_scored,
         proj_flops=2 * dims.step_params * batch * steps,
         attn_flops=batch * 4 * dims.heads * dims.head_dim * tokens_read,
-        score_flops=batch * score_per_page * sparse_layers * sum_scored,
+        score_flops=batch * page_flops * sparse_layers * sum_scored,
     )
 
 
@@ -254,8 +253,9 @@ def step_cost(dims: ModelDims, hw: Hardware, batch: int, cached: int, budget: in
 
     Weights are read once for the batch (2 FLOPs per weight per sequence). Each sequence, per layer, reads K and V
     of the tokens it attends (4 * heads * head_dim FLOPs per token for QK and PV) and writes the new token's K
-    and V; in a sparse layer that selects, it also reads the landmarks of its full pages (centroid: one vector
-    per KV head scored with the group-mean query; quest: min and max, scored per query head).
+    and V; in a sparse layer that selects, it also reads and scores the landmarks of its full pages, at the bytes
+    and FLOPs per page of the landmark's registry entry (attention/landmarks.py; centroid: one vector per KV head
+    scored with the group-mean query; quest: min and max, scored per query head).
     """
     _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
     if batch < 1 or cached < 1:
