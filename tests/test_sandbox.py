@@ -172,7 +172,8 @@ def test_a_killed_trainer_leaves_no_process_and_no_folder(host):
             module.__path__ = [path]
             sys.modules[name] = module
         from sparrow.rewards.code import run_code
-        run_code("import subprocess, time\\nsubprocess.Popen(['sleep', '{sleeper}'])\\ntime.sleep(60)",
+        sleeper = "1000." + "{sleeper[5:]}"  # split, so this trainer's own command line does not match
+        run_code(f"import subprocess, time\\nsubprocess.Popen(['sleep', '{{sleeper}}'])\\ntime.sleep(60)",
                  [{{"input": "", "output": ""}}], timeout=30.0, base_dir={str(host["tmp"])!r})
     """)
     proc = subprocess.Popen([sys.executable, "-c", trainer])
@@ -180,7 +181,7 @@ def test_a_killed_trainer_leaves_no_process_and_no_folder(host):
         deadline = time.monotonic() + 15
         while not _processes_with(sleeper) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _processes_with(sleeper), "the program's child never started"
+        assert _processes_with(sleeper) and proc.pid not in _processes_with(sleeper), "the child never started"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
