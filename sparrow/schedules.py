@@ -2,7 +2,8 @@
 
 The cached length counts prompt plus generated tokens, including the token being decoded. A schedule raises the
 budget as the sequence grows so the tail acceptance rate stays roughly constant (SPEC section 4). Budgets include
-the always-kept pages (1 sink page + 2 most recent pages), so top-k pages = budget / page_size - 3.
+the always-kept pages (`SparseConfig.always_kept_pages`: 1 sink page + 2 most recent pages by default), so
+top-k pages = budget / page_size - always-kept pages.
 
 User schedules (`const:`, `steps:`, explicit pairs, files) give their bin starts in tokens. The published presets
 are keyed by page count as the release's planner keys them (`page_bin_starts`): bin i starts at cached length
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json
 
@@ -156,8 +158,10 @@ def preset_names() -> list[str]:
     return list(_load_presets())
 
 
-def parse_schedule(spec: str, page_size: int = 16, always_kept_pages: int = 3) -> Schedule:
-    """Build and validate a schedule from a command-line or config string (forms listed in the error below)."""
+def parse_schedule(spec: str, page_size: int = 16,
+                   always_kept_pages: int = SparseConfig().always_kept_pages) -> Schedule:
+    """Build and validate a schedule from a command-line or config string (forms listed in the error below); its
+    budgets must hold `always_kept_pages` whole pages (by default the default SparseConfig's sink + recent)."""
     schedule = _parse(str(spec).strip(), page_size)
     schedule.validate(page_size, always_kept_pages)
     return schedule

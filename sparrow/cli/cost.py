@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import ALWAYS_KEPT_PAGES, compare, hardware, paper_cost
+from sparrow.measure.cost_model import compare, hardware, paper_cost
 from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
 
@@ -44,7 +45,7 @@ class CostConfig:
         self.hw()
 
     def parsed_schedule(self) -> Schedule:
-        return parse_schedule(self.schedule, self.page_size, ALWAYS_KEPT_PAGES)
+        return parse_schedule(self.schedule, self.page_size, SparseConfig().always_kept_pages)
 
     def page_size_list(self) -> list[int]:
         if not self.page_sizes:
@@ -108,7 +109,7 @@ def evaluate(config: CostConfig) -> dict:
     rows = []
     for size in config.page_size_list():
         try:
-            schedule.validate(size, ALWAYS_KEPT_PAGES)
+            schedule.validate(size, SparseConfig().always_kept_pages)
         except SparrowError as err:
             rows.append({"page_size": size, "skipped": str(err)})
             continue

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from sparrow.attention import SparseConfig
 from sparrow.schedules import parse_schedule
-
-ALWAYS_KEPT_PAGES = 3
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +27,8 @@ def add_parser(subparsers) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     """Parse and validate the spec, then print it."""
-    schedule = parse_schedule(args.spec, page_size=args.page_size, always_kept_pages=ALWAYS_KEPT_PAGES)
+    kept = SparseConfig().always_kept_pages
+    schedule = parse_schedule(args.spec, page_size=args.page_size, always_kept_pages=kept)
     if args.json:
         print(json.dumps(schedule.to_json()))
         return 0
@@ -40,7 +40,7 @@ def run_show(args: argparse.Namespace) -> int:
     rows = []
     for i, (start, budget) in enumerate(zip(schedule.starts, schedule.budgets)):
         end = str(schedule.starts[i + 1]) if i + 1 < len(schedule.starts) else "..."
-        rows.append((str(i), str(start), end, str(budget), str(budget // args.page_size - ALWAYS_KEPT_PAGES)))
+        rows.append((str(i), str(start), end, str(budget), str(budget // args.page_size - kept)))
     widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in rows:

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
-
-ALWAYS_KEPT_PAGES = 3
-"""Pages a sparse step always attends: 1 sink page and the 2 most recent pages (SPEC section 3)."""
 
 _CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size")
@@ -201,12 +199,14 @@ def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, by
 
 
 def _budget_pages(budget: np.ndarray, page_size: int) -> np.ndarray:
-    """Whole pages of each token budget; a budget below the always-kept pages cannot be honoured."""
+    """Whole pages of each token budget; a budget below the always-kept pages (sink + recent, SparseConfig's
+    defaults) cannot be honoured."""
     pages = budget // page_size
-    if pages.size and int(pages.min()) < ALWAYS_KEPT_PAGES:
+    kept = SparseConfig().always_kept_pages
+    if pages.size and int(pages.min()) < kept:
         low = int(budget[int(np.argmin(pages))])
-        raise SparrowError(f"KV budget {low} is below the {ALWAYS_KEPT_PAGES} always-kept pages of {page_size} "
-                           f"tokens ({ALWAYS_KEPT_PAGES * page_size} tokens)")
+        raise SparrowError(f"KV budget {low} is below the {kept} always-kept pages of {page_size} "
+                           f"tokens ({kept * page_size} tokens)")
     return pages
 
 
