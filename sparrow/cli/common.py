@@ -68,6 +68,34 @@ class ModelOptions:
         return model, tokenizer
 
 
+@dataclass
+class RolloutOptions:
+    """Where rollouts run: in this process (the default), or on `rollout_workers` Ray workers (a local Ray
+    started and stopped by the command, or the cluster at `ray_address`)."""
+
+    rollout_workers: int = 0
+    ray_address: str | None = None
+
+    def validate(self) -> None:
+        if isinstance(self.rollout_workers, bool) or self.rollout_workers < 0:
+            raise SparrowError(f"rollout_workers must be an integer >= 0, got {self.rollout_workers!r}")
+
+    def backend(self, options: ModelOptions, model, tokenizer, max_batch_size: int = 64):
+        """The rollout backend for `model` (see sparrow.rollout.factory)."""
+        from sparrow.rollout.factory import ModelSpec, create_backend
+
+        spec = ModelSpec(options.model, options.dtype, options.device, options.sparse_config(), max_batch_size,
+                         adapter=options.adapter)
+        return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address)
+
+
+ROLLOUT_HELP = {
+    "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
+    "ray_address": "attach to a Ray cluster (started with `ray start --head`; `auto` on its head node) instead of "
+                   "starting a local one",
+}
+
+
 def require_file(path: str | None, what: str) -> Path:
     """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
     if path is None:

@@ -11,14 +11,14 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.rewards import load_reward
-from sparrow.rollout import NativeBackend
+from sparrow.rewards.sandbox import require_sandbox
 
-from .common import MODEL_HELP, ModelOptions, require_file
+from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, require_file
 from .config import add_config_options, load_config
 
 
 @dataclass
-class EvalConfig(ModelOptions):
+class EvalConfig(ModelOptions, RolloutOptions):
     data: str | None = None
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -30,9 +30,11 @@ class EvalConfig(ModelOptions):
     top_p: float = 1.0
     seed: int = 0
     json: bool = False
+    unsafe_code_reward: bool = False
 
     def validate(self) -> None:
-        super().validate()
+        ModelOptions.validate(self)
+        RolloutOptions.validate(self)
         if self.data is None:
             raise SparrowError("give the prompt data: --data FILE.jsonl|.parquet")
         require_file(self.data, "data file")
@@ -41,6 +43,8 @@ class EvalConfig(ModelOptions):
         if not math.isfinite(self.threshold):
             raise SparrowError(f"threshold must be a finite total reward, got {self.threshold}")
         self.rewards()
+        if "code" in (self.reward or []):
+            require_sandbox(allow_unsafe=self.unsafe_code_reward)
         self.sampling()
 
     def rewards(self) -> list:
@@ -51,18 +55,22 @@ class EvalConfig(ModelOptions):
                               seed=self.seed, num_logprobs=1)
 
 
-HELP = {**MODEL_HELP, "data": "prompt set (.jsonl or .parquet)", "reward": "reward function(s), as for train",
+HELP = {**MODEL_HELP, **ROLLOUT_HELP, "data": "prompt set (.jsonl or .parquet)", "reward": "reward function(s), as for train",
         "k": "samples per prompt", "threshold": "total reward at which a sample counts as passing",
-        "json": "print one JSON object"}
+        "json": "print one JSON object",
+        "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)"}
 
 
 def run(args) -> int:
     config = load_config(EvalConfig, args)
     examples = load_examples(DataSpec(config.data, config.prompt_field, config.answer_field))
     model, tokenizer = config.load()
-    backend = NativeBackend(model, tokenizer, config.sparse_config())
-    result = evaluate(backend, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
-                      config.threshold, progress=not config.json)
+    backend = config.backend(config, model, tokenizer)
+    try:
+        result = evaluate(backend, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
+                          config.threshold, progress=not config.json)
+    finally:
+        backend.close()
     result["schedule"] = config.schedule
     if config.json:
         print(json.dumps(result))

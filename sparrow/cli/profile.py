@@ -10,15 +10,14 @@ from sparrow.datasets import read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.measure.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
-from sparrow.rollout import NativeBackend
 from sparrow.schedules import Schedule, parse_schedule, split_schedules
 
-from .common import MODEL_HELP, ModelOptions, check_output, require_file
+from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, check_output, require_file
 from .config import add_config_options, load_config
 
 
 @dataclass
-class ProfileConfig(ModelOptions):
+class ProfileConfig(ModelOptions, RolloutOptions):
     prompts: str | None = None
     schedules: str = "const:256,const:512,const:1024,dense"
     samples_per_prompt: int = 2
@@ -34,7 +33,8 @@ class ProfileConfig(ModelOptions):
     out: str = "runs/profile"
 
     def validate(self) -> None:
-        super().validate()
+        ModelOptions.validate(self)
+        RolloutOptions.validate(self)
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")
         require_file(self.prompts, "prompts file")
@@ -63,6 +63,7 @@ class ProfileConfig(ModelOptions):
 
 HELP = {
     **MODEL_HELP,
+    **ROLLOUT_HELP,
     "prompts": "JSONL file with a 'prompt' field per line (text or chat messages)",
     "schedules": "schedules to profile, comma-separated (or ';'-separated), e.g. const:256,const:1024,dense",
     "samples_per_prompt": "completions sampled per prompt and schedule",
@@ -80,7 +81,7 @@ def run(args) -> int:
     prompts = read_prompts(config.prompts)
     model, tokenizer = config.load()
     sparse = config.sparse_config()
-    backend = NativeBackend(model, tokenizer, sparse, max_batch_size=config.max_batch_size)
+    backend = config.backend(config, model, tokenizer, config.max_batch_size)
     meta = {
         "model": config.model, "adapter": config.adapter, "prompts_file": config.prompts,
         "prompts_hash": prompts_hash(prompts),
@@ -92,9 +93,12 @@ def run(args) -> int:
     }
     if config.chat:
         prompts = as_chat(prompts)
-    profile = run_profile(backend, model, prompts, config.parsed_schedules(), config.sampling(),
-                          config.samples_per_prompt, sparse, config.bin_size, config.length_origin, Path(config.out),
-                          meta)
+    try:
+        profile = run_profile(backend, model, prompts, config.parsed_schedules(), config.sampling(),
+                              config.samples_per_prompt, sparse, config.bin_size, config.length_origin,
+                              Path(config.out), meta)
+    finally:
+        backend.close()
     print(f"{'schedule':<22} {'tokens':>7} {'mean':>7} {'>0.999':>7} {'p5':>7}   p5 per bin")
     for name, stats in profile["schedules"].items():
         overall = stats["overall"]

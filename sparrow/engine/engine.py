@@ -131,7 +131,7 @@ class RolloutEngine:
             raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
         if not prompts:
             raise SparrowError("no prompts given")
-        keys = _prompt_keys(prompt_keys, len(prompts))
+        keys = check_prompt_keys(prompt_keys, len(prompts))
         if not schedule.is_dense:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
@@ -209,7 +209,7 @@ class RolloutEngine:
         return text[: min(cuts)] if cuts else text
 
 
-def _prompt_keys(prompt_keys: Sequence[int] | None, count: int) -> list[int]:
+def check_prompt_keys(prompt_keys: Sequence[int] | None, count: int) -> list[int]:
     """The key of each prompt: the given ones (distinct integers in [0, 2**32)), else the indices 0..count-1."""
     if prompt_keys is None:
         return list(range(count))

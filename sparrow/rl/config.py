@@ -16,6 +16,7 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
+from sparrow.rewards.sandbox import require_sandbox
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite
 
@@ -112,6 +113,8 @@ class DataSection:
             raise SparrowError(f"{len(names)} reward(s) but {len(weights)} reward_weights; give one weight each")
         for w in weights:
             check_finite("reward weight", w)
+        if "code" in names:
+            require_sandbox(allow_unsafe=self.unsafe_code_reward)
 
     def rewards(self) -> list:
         names = self.reward or ["math"]
@@ -224,10 +227,13 @@ class RolloutSection:
     backend: str = "native"
     workers: int = _flag("rollout_workers", 0)
     ray_address: str | None = None
+    wire_dtype: str | None = None
     max_batch_size: int = 64
 
     def validate(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
+        if self.wire_dtype is not None:
+            _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
         _check_int("rollout_workers", self.workers, 0)
         _check_int("max_batch_size", self.max_batch_size, 1)
 

@@ -20,7 +20,7 @@ from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.io import append_jsonl
 from sparrow.models import load_model, resolve_device, resolve_dtype
-from sparrow.rollout import NativeBackend
+from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.typed_config import to_nested
 
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
@@ -51,7 +51,11 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     optimizer = torch.optim.AdamW(base_parameters(model), lr=config.grpo.learning_rate,
                                   weight_decay=config.grpo.weight_decay)
     policy = Policy(model, optimizer, tokenizer.pad_token_id or 0, reference, distiller)
-    backend = NativeBackend(model, tokenizer, config.parsed.sparse, max_batch_size=config.rollout.max_batch_size)
+    rollout = config.rollout
+    spec = ModelSpec(config.model.name, config.model.dtype, config.model.device, config.parsed.sparse,
+                     rollout.max_batch_size, distill=config.distill if config.distill.enabled else None)
+    backend = create_backend(model, tokenizer, spec, rollout.workers, rollout.ray_address, log=log,
+                             wire_dtype=rollout.wire_dtype)
     return policy, backend, tokenizer
 
 
@@ -98,65 +102,67 @@ def _train(config: TrainConfig, log) -> list[dict]:
     examples, probes = _probe_split(config, load_examples(spec))
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
     policy, backend, tokenizer = _policy_and_backend(config, log)
-    schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
-    adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
-    start, switch = 0, SwitchState()
-    adaptive = _adaptive_start(config, examples, tokenizer) if config.parsed.adaptive else None
-    if resume_from is not None:
-        state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
-        start, switch = state["step"], SwitchState.from_json(state.get("switch"))
-        if adaptive is not None:
-            adaptive = AdaptiveState.from_json(state["adaptive"])
-        backend.sync_weights(policy.model)
-        log(f"resumed from {resume_from[1]} at step {start}")
-    from torch.utils.tensorboard import SummaryWriter
+    try:
+        schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
+        adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
+        start, switch = 0, SwitchState()
+        adaptive = _adaptive_start(config, examples, tokenizer) if config.parsed.adaptive else None
+        if resume_from is not None:
+            state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
+            start, switch = state["step"], SwitchState.from_json(state.get("switch"))
+            if adaptive is not None:
+                adaptive = AdaptiveState.from_json(state["adaptive"])
+            backend.sync_weights(policy.model)
+            log(f"resumed from {resume_from[1]} at step {start}")
+        from torch.utils.tensorboard import SummaryWriter
 
-    board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
-    rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
-    held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
-                if config.eval.data is not None else None)
-    if held_out is not None and start == 0:
-        _evaluate(config, backend, held_out, rewards, 0, out, board, log)
-    for step in range(start, grpo.steps):
-        began = time.perf_counter()
-        batch = [examples[i] for i in sampler.batch(step)]
-        if adaptive is not None:
-            schedule = adaptive.schedule()
-        done = run_step(policy, backend, batch, rewards, candidate if switch.switched else schedule, step_cfg,
-                        seed=run.seed * 1_000_003 + step, number=step + 1,
-                        measure={"cheaper": adaptive.schedule(-1)} if adaptive is not None else None)
-        metrics = step_metrics(done, step_cfg)
-        if adaptive is not None:
-            adaptive, moved = _adapt(config, adaptive, done, metrics)
-            for event in moved:
-                log(f"step {step + 1}: adaptive schedule: {event}")
-        if candidate is not None:
-            switch, probed = _probe_step(config, policy, backend, probes, candidate, switch, step + 1, log)
-            metrics.update(probed)
-        metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}
-        append_jsonl(out / "metrics.jsonl", metrics)
-        history.append(metrics)
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and name != "step":
-                board.add_scalar(name, value, step + 1)
-        board.flush()
-        for warning in metrics["mismatch/warnings"]:
-            log(f"warning: step {step + 1}: {warning}")
-        distilled = f"  distill {metrics['distill/loss']:.4f}" if policy.distiller else ""
-        log(f"step {step + 1}/{grpo.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
-            f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s")
-        if held_out is not None and ((step + 1) % config.eval.every == 0 or step + 1 == grpo.steps):
-            _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
-        if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
-            save_checkpoint(out, step + 1, policy.model, tokenizer, policy.optimizer,
-                            {"config": to_nested(config), "switch": switch.to_json(),
-                             **({"adaptive": adaptive.to_json()} if adaptive is not None else {})},
-                            run.keep_last, adapter_optimizer)
-    board.close()
-    backend.close()
-    write_report([out], out)
-    log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
-    return history
+        board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
+        rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
+        held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
+                    if config.eval.data is not None else None)
+        if held_out is not None and start == 0:
+            _evaluate(config, backend, held_out, rewards, 0, out, board, log)
+        for step in range(start, grpo.steps):
+            began = time.perf_counter()
+            batch = [examples[i] for i in sampler.batch(step)]
+            if adaptive is not None:
+                schedule = adaptive.schedule()
+            done = run_step(policy, backend, batch, rewards, candidate if switch.switched else schedule, step_cfg,
+                            seed=run.seed * 1_000_003 + step, number=step + 1,
+                            measure={"cheaper": adaptive.schedule(-1)} if adaptive is not None else None)
+            metrics = {**step_metrics(done, step_cfg), **getattr(backend, "stats", {})}
+            if adaptive is not None:
+                adaptive, moved = _adapt(config, adaptive, done, metrics)
+                for event in moved:
+                    log(f"step {step + 1}: adaptive schedule: {event}")
+            if candidate is not None:
+                switch, probed = _probe_step(config, policy, backend, probes, candidate, switch, step + 1, log)
+                metrics.update(probed)
+            metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}
+            append_jsonl(out / "metrics.jsonl", metrics)
+            history.append(metrics)
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and name != "step":
+                    board.add_scalar(name, value, step + 1)
+            board.flush()
+            for warning in metrics["mismatch/warnings"]:
+                log(f"warning: step {step + 1}: {warning}")
+            distilled = f"  distill {metrics['distill/loss']:.4f}" if policy.distiller else ""
+            log(f"step {step + 1}/{grpo.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
+                f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s")
+            if held_out is not None and ((step + 1) % config.eval.every == 0 or step + 1 == grpo.steps):
+                _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
+            if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
+                save_checkpoint(out, step + 1, policy.model, tokenizer, policy.optimizer,
+                                {"config": to_nested(config), "switch": switch.to_json(),
+                                 **({"adaptive": adaptive.to_json()} if adaptive is not None else {})},
+                                run.keep_last, adapter_optimizer)
+        board.close()
+        write_report([out], out)
+        log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
+        return history
+    finally:
+        backend.close()  # a local Ray stops with the run, also when it fails
 
 
 def _adaptive_start(config: TrainConfig, examples: list, tokenizer) -> AdaptiveState:

@@ -27,7 +27,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from tqdm.auto import tqdm
 
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
-from sparrow.engine.engine import _prompt_keys
+from sparrow.engine.engine import check_prompt_keys
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
@@ -158,7 +158,7 @@ class RayRolloutBackend:
                  progress: bool = False) -> list[Completion]:
         if not prompts:
             raise SparrowError("no prompts given")
-        keys = _prompt_keys(prompt_keys, len(prompts))
+        keys = check_prompt_keys(prompt_keys, len(prompts))
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         costs = [(len(ids) + sampling.max_new_tokens) * num_samples for ids in encoded]
         shares = {w: share for w, share in enumerate(split_groups(costs, len(self._actors))) if share}
