@@ -3,6 +3,8 @@
 import json
 import re
 
+import pytest
+
 from sparrow.cli import main
 from sparrow.models import tiny_tokenizer
 from sparrow.tasks import passkey
@@ -59,3 +61,28 @@ def test_the_command_writes_passkey_prompts(tmp_path):
 def test_unknown_task_is_named(capsys):
     assert main(["prompts", "--task", "riddles", "--model", "tiny-llama"]) == 2
     assert "unknown task 'riddles': expected one of records, passkey" in capsys.readouterr().err
+
+
+def test_manifest_prompts_hold_the_codes_of_their_answer_in_order_inside_the_ledger():
+    from sparrow.tasks import manifest
+
+    tok = tiny_tokenizer()
+    examples = manifest.make_prompts(3, 800, seed=2, tokenizer=tok)
+    assert examples == manifest.make_prompts(3, 800, seed=2, tokenizer=tok)
+    for example in examples:
+        text, codes = example["prompt"][0]["content"], example["answer"]
+        assert len(codes) == len(set(codes)) == manifest.CODES
+        block = text[text.index("MANIFEST\n"):text.index("END OF MANIFEST")]
+        assert re.findall(r"\d+\. (\d{5})", block) == codes
+        assert text.index("MANIFEST") > text.index("Entry 1:") and prompt_length(tok, example["prompt"]) >= 800
+
+
+def test_number_f1_gives_partial_credit_and_costs_extra_numbers():
+    from sparrow.rewards.answer import number_f1_reward
+
+    gold = ["11111", "22222", "33333", "44444"]
+    scores = number_f1_reward(None, ["11111\n22222\n33333\n44444", "1. 11111\n2. 22222", "11111 99999 88888",
+                                     "no codes", "11,111 and 7"], [gold] * 5)
+    # all; half the codes (the list indices are not candidates): 2/3; one hit of three found: p 1/3, r 1/4 -> 2/7;
+    # none; "11,111" is 11111 and 7 is too short to count: p 1, r 1/4 -> 0.4
+    assert scores == pytest.approx([1.0, 2 / 3, 2 * (1 / 3) * (1 / 4) / (1 / 3 + 1 / 4), 0.0, 0.4])

@@ -9,11 +9,12 @@ import os
 import sys
 
 from sparrow.errors import SparrowError
-from sparrow.rewards.answer import first_number_reward
+from sparrow.rewards.answer import first_number_reward, number_f1_reward
 from sparrow.rewards.code import code_results
 from sparrow.rewards.math import math_reward
 
-REWARDS = {"math": math_reward, "code": code_results, "first_number": first_number_reward}
+REWARDS = {"math": math_reward, "code": code_results, "first_number": first_number_reward,
+           "number_f1": number_f1_reward}
 
 
 def _import_file(path: str):

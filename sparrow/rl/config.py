@@ -26,7 +26,7 @@ from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREG
 MONITORS = ("exact", "bounds")
 NON_FINITE_ACTIONS = ("skip", "stop")
 BACKENDS = ("native",)
-ANSWER_REWARDS = ("math", "first_number")
+ANSWER_REWARDS = ("math", "first_number", "number_f1")
 
 
 def _flag(name: str, default):

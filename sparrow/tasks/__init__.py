@@ -1,4 +1,5 @@
-"""Built-in prompt sets generated from a seed (no download), by name: `records` (profiling) and `passkey` (RL).
+"""Built-in prompt sets generated from a seed (no download), by name: `records` (profiling), `passkey` (RL) and
+`manifest` (RL with long answers).
 
 Each task is `make_prompts(count, min_tokens, seed, tokenizer) -> list of {"prompt": messages, "answer": ...}`.
 """
@@ -9,9 +10,10 @@ from collections.abc import Callable
 
 from sparrow.errors import SparrowError
 
-from . import passkey, records
+from . import manifest, passkey, records
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"records": records.make_prompts, "passkey": passkey.make_prompts}
+TASKS: dict[str, Callable[..., list[dict]]] = {"records": records.make_prompts, "passkey": passkey.make_prompts,
+                                               "manifest": manifest.make_prompts}
 
 
 def get_task(name: str) -> Callable[..., list[dict]]:
