@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from sparrow.attention import SparseConfig
+from sparrow.attention.landmarks import LANDMARKS
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.measure import lockstep_acceptance, teacher_forced_acceptance
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
 
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+@pytest.mark.parametrize("landmark", LANDMARKS)
 def test_teacher_forced_acceptance_equals_the_lockstep_replay(tiny, landmark):
     model, tok = tiny
     sparse = SparseConfig(landmark=landmark)

@@ -6,6 +6,7 @@ from peft import LoraConfig, get_peft_model
 
 from sparrow.attention import KVCache, SparseConfig, cpu_kernel
 from sparrow.attention.kernels import decode_attention
+from sparrow.attention.landmarks import LANDMARKS
 from sparrow.attention.teacher_forced import sparse_completion_logits, sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.schedules import DENSE, const, steps
@@ -49,7 +50,7 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+@pytest.mark.parametrize("landmark", LANDMARKS)
 def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, decode_path):
     torch.manual_seed(0)
     sparse = SparseConfig(page_size=4, landmark=landmark, dense_layers=(0,))
@@ -122,7 +123,7 @@ def test_a_budget_covering_the_sequence_gives_the_dense_logits(tiny):
         assert torch.allclose(got.squeeze(-1), torch.tensor(out.logprobs), atol=1e-4)
 
 
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+@pytest.mark.parametrize("landmark", LANDMARKS)
 def test_teacher_forced_reproduces_decode_time_sparse_logprobs(tiny, landmark, decode_path):
     model, tok = tiny
     sparse = SparseConfig(landmark=landmark)
@@ -184,7 +185,7 @@ def test_peft_lora_wrapped_models_decode_sparsely_and_agree_with_teacher_forcing
     assert base[0].logprobs != outs[0].logprobs  # the adapter is really in the forward
 
 
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+@pytest.mark.parametrize("landmark", LANDMARKS)
 def test_shared_prompt_sparse_forward_equals_the_full_one_in_values_and_gradients(landmark):
     """The prompt run once for a group, then the completions teacher-forced against its cache, is sparse_forward."""
     from sparrow.models import load_model
