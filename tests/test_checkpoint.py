@@ -11,8 +11,13 @@ import torch
 
 from sparrow.errors import SparrowError
 from sparrow.models import load_model
-from sparrow.rl.checkpoint import (checkpoint_problem, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
-                                   save_checkpoint)
+from sparrow.rl.checkpoint import (
+    checkpoint_problem,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from sparrow.rl.distill import DistillConfig, adapter_parameters, attach_adapter, base_parameters
 
 

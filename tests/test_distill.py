@@ -9,13 +9,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from sparrow.attention import SparseConfig
 from sparrow.attention.interface import base_model
 from sparrow.datasets import DataSpec, Example, load_examples
-from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
 from sparrow.rl.batch import RolloutBatch, token_logprobs
+from sparrow.rl.config import TrainConfig
 from sparrow.rl.distill import (
     DistillConfig,
     Distiller,
@@ -26,8 +28,6 @@ from sparrow.rl.distill import (
     probe,
 )
 from sparrow.rl.losses import full_kl
-from sparrow.measure import teacher_forced_acceptance
-from sparrow.rl.config import TrainConfig
 from sparrow.rl.step import Policy, StepConfig, grpo_step
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend

@@ -25,7 +25,7 @@ from sparrow.typed_config import build
 from tests.conftest import random_prompts
 
 ray = pytest.importorskip("ray")
-from sparrow.rollout.ray_backend import split_groups  # noqa: E402  (imports Ray)
+from sparrow.rollout.ray_backend import split_groups
 
 DISTILL = DistillConfig(enabled=True, rank=4)
 SPEC = ModelSpec("tiny-llama", max_batch_size=4, distill=DISTILL)
@@ -183,7 +183,7 @@ def test_a_worker_killed_mid_call_is_restarted_resynced_and_reruns_its_share(poo
     backend.sync_weights(other)
     sampling = SamplingParams(max_new_tokens=128, temperature=1.0, seed=11, ignore_eos=True)
     prompts = random_prompts([30, 45, 20, 50, 25, 40, 35, 15], seed=4)
-    call = lambda: backend.generate(prompts, sampling, SCHEDULE, 2)  # noqa: E731
+    call = lambda: backend.generate(prompts, sampling, SCHEDULE, 2)
     backend.max_retries = 0
     try:
         with pytest.raises(SparrowError, match=r"rollout worker 0 died 1 time\(s\) in one call, more than "

@@ -14,8 +14,14 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.rl import run_dir
-from sparrow.rl.run_dir import (RESUMABLE_OPTIONS, RunLock, check_resume_config, clean_stray_files,
-                                config_differences, repair_metrics)
+from sparrow.rl.run_dir import (
+    RESUMABLE_OPTIONS,
+    RunLock,
+    check_resume_config,
+    clean_stray_files,
+    config_differences,
+    repair_metrics,
+)
 
 _fork = multiprocessing.get_context("fork")  # the children start at once: no second import of torch
 
@@ -75,9 +81,8 @@ def test_a_second_run_fails_at_once_naming_the_holder_and_takes_over_after_a_kil
 
 
 def test_one_process_cannot_hold_one_directory_twice(tmp_path):
-    with RunLock(tmp_path, log=lambda _: None):
-        with pytest.raises(SparrowError, match=f"pid {os.getpid()} "):
-            RunLock(tmp_path).acquire()
+    with RunLock(tmp_path, log=lambda _: None), pytest.raises(SparrowError, match=f"pid {os.getpid()} "):
+        RunLock(tmp_path).acquire()
 
 
 def test_a_forked_worker_does_not_keep_a_killed_runs_lock(tmp_path):

@@ -36,7 +36,7 @@ def _by_key(completions):
 
 def test_a_sample_is_the_same_whatever_the_batch_the_other_prompts_and_num_samples(model_and_schedule):
     (model, tok), schedule = model_and_schedule
-    run = lambda batch, prompts, n, keys=None: _by_key(  # noqa: E731
+    run = lambda batch, prompts, n, keys=None: _by_key(
         RolloutEngine(model, tok, max_batch_size=batch).generate(prompts, SAMPLED, schedule, n, prompt_keys=keys))
     base = run(64, PROMPTS, 2)
     variants = {
@@ -63,7 +63,7 @@ def test_a_sample_is_the_same_whatever_the_batch_the_other_prompts_and_num_sampl
 def test_the_key_not_the_position_picks_the_stream_and_no_seed_stays_random(llama):
     engine = RolloutEngine(*llama)
     prompt = PROMPTS[:1]
-    as_key = lambda key, sampling=SAMPLED: engine.generate(  # noqa: E731
+    as_key = lambda key, sampling=SAMPLED: engine.generate(
         prompt, sampling, prompt_keys=[key])[0].token_ids
     assert as_key(0) == engine.generate(prompt, SAMPLED)[0].token_ids
     assert as_key(5) != as_key(0)

@@ -201,9 +201,8 @@ def test_a_second_run_on_a_locked_directory_stops_at_once(data, tmp_path):
     from sparrow.rl.run_dir import RunLock
 
     out = tmp_path / "locked"
-    with RunLock(out, log=lambda *_: None):
-        with pytest.raises(SparrowError, match=f"pid {__import__('os').getpid()}"):
-            train(_config(data, out, steps=1), log=lambda *_: None)
+    with RunLock(out, log=lambda *_: None), pytest.raises(SparrowError, match=f"pid {__import__('os').getpid()}"):
+        train(_config(data, out, steps=1), log=lambda *_: None)
 
 
 def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_an_uninterrupted_one(data,

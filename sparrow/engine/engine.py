@@ -24,6 +24,7 @@ from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
 
+from .prompts import Prompt, encode_prompt
 from .sampling import (
     KEY_LIMIT,
     SamplingParams,
@@ -32,7 +33,6 @@ from .sampling import (
     sample,
     sequence_stream,
 )
-from .prompts import Prompt, encode_prompt
 from .sequence import Completion
 
 

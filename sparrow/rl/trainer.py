@@ -23,9 +23,9 @@ from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.typed_config import to_nested
 
+from .adaptive import AdaptiveState, by_bin, start_state, update
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .adaptive import AdaptiveState, by_bin, start_state, update
 from .distill import Distiller, SwitchState, attach_adapter, base_parameters, observe_probe, probe
 from .report import write_report
 from .run_dir import RunLock, check_resume_config, repair_metrics
