@@ -26,8 +26,11 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.models import load_model, resolve_device
-from sparrow.rl.trainer import TrainConfig, train
+from sparrow.measure import lockstep_acceptance, teacher_forced_acceptance
+from sparrow.rl.config import TrainConfig
+from sparrow.rl.trainer import train
 from sparrow.schedules import DENSE, const, steps
+from sparrow.typed_config import build, flatten_mapping
 
 RESULTS: list[dict] = []
 
@@ -79,14 +82,20 @@ def attention_checks(device: torch.device) -> None:
         worst = max(worst, float((got.squeeze(-1).cpu() - torch.tensor(out.logprobs)).abs().max()))
     check("teacher-forced vs decode sparse log-probs: max |difference|", worst, 2e-3)
 
+    forced = teacher_forced_acceptance(model, sampled, schedule, SparseConfig(), temperature=1.0)
+    replay = max(max(abs(a - b) for a, b in zip(alphas, lockstep_acceptance(engine, out, schedule, 1.0)))
+                 for alphas, out in zip(forced, sampled))
+    check("exact acceptance, teacher-forced vs lockstep replay: max |difference|", replay, 1e-4)
+
 
 def training_checks(device: torch.device, out: Path) -> None:
     for name in ("tiny", "tiny-distill"):
-        values = yaml.safe_load(Path(f"examples/{name}.yaml").read_text())
-        config = TrainConfig(**{**values, "device": str(device), "output_dir": str(out / name)})
+        path = f"examples/{name}.yaml"
+        values = flatten_mapping(TrainConfig, yaml.safe_load(Path(path).read_text()), path)
+        config = build(TrainConfig, {**values, "device": str(device), "output_dir": str(out / name)})
         clock = time.perf_counter()
         history = train(config, log=lambda *_: None)
-        check(f"{name}.yaml on {device}: steps missing", config.steps - len(history), 0)
+        check(f"{name}.yaml on {device}: steps missing", config.grpo.steps - len(history), 0)
         print(f"      {time.perf_counter() - clock:.1f} s, rewards {[round(h['reward/mean'], 3) for h in history]}")
 
 

@@ -25,7 +25,7 @@ from sparrow.typed_config import build
 from tests.conftest import random_prompts
 
 ray = pytest.importorskip("ray")
-from sparrow.rollout.ray_backend import split_groups
+from sparrow.rollout.ray_backend import pack_state, split_groups, unpack_state
 
 DISTILL = DistillConfig(enabled=True, rank=4)
 SPEC = ModelSpec("tiny-llama", max_batch_size=4, distill=DISTILL)
@@ -109,6 +109,15 @@ def test_two_workers_equal_one_process_with_and_without_the_adapter(pool):
         backend.generate(PROMPTS[:2], SAMPLING, SCHEDULE, prompt_keys=[5, 5])
 
 
+def test_tied_tensors_travel_once():
+    shared, own = torch.arange(6.0).view(2, 3), torch.ones(4)
+    packed = pack_state({"embed.weight": shared, "lm_head.weight": shared, "norm.weight": own})
+    assert list(packed["tensors"]) == ["embed.weight", "norm.weight"]
+    assert packed["aliases"] == {"lm_head.weight": "embed.weight"}
+    full = unpack_state(packed)
+    assert set(full) == {"embed.weight", "lm_head.weight", "norm.weight"} and full["lm_head.weight"] is shared
+
+
 def test_sync_weights_moves_the_workers_to_the_new_policy(pool):
     backend, model, tokenizer, _ = pool
     before = backend.generate(PROMPTS, SAMPLING, SCHEDULE, 4)
@@ -117,7 +126,7 @@ def test_sync_weights_moves_the_workers_to_the_new_policy(pool):
     after = backend.generate(PROMPTS, SAMPLING, SCHEDULE, 4)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     _assert_same(after, _native(other, tokenizer))
-    f32_bytes = sum(t.numel() * 4 for t in other.state_dict().values())
+    f32_bytes = sum(t.numel() * 4 for t in pack_state(other.state_dict())["tensors"].values())
     assert backend.stats["rollout/sync_bytes"] == f32_bytes and backend.stats["rollout/sync_s"] > 0
     backend.wire_dtype = torch.bfloat16  # half the bytes; the workers then hold the bf16-rounded weights
     try:

@@ -52,6 +52,26 @@ def split_groups(costs: Sequence[float], workers: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
+def pack_state(state: dict[str, torch.Tensor]) -> dict:
+    """A state dict with each shared tensor once (tied embeddings appear under two names): {"tensors": {name:
+    tensor}, "aliases": {other name: name}}."""
+    tensors, aliases, seen = {}, {}, {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = tensor
+    return {"tensors": tensors, "aliases": aliases}
+
+
+def unpack_state(packed: dict) -> dict[str, torch.Tensor]:
+    """The full state dict of `pack_state`'s result."""
+    tensors = packed["tensors"]
+    return {**tensors, **{alias: tensors[name] for alias, name in packed["aliases"].items()}}
+
+
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy `state` into `model` (cast to its dtype and device); the key sets must be equal."""
     own = set(model.state_dict())
@@ -89,7 +109,7 @@ class RolloutWorker:
     def load(self, version: int, weights: list) -> None:
         """Load weights `version` unless loaded already; `weights` is [ObjectRef], so Ray passes the reference."""
         if self.version != version:
-            load_state(self.backend.engine.model, ray.get(weights[0]))
+            load_state(self.backend.engine.model, unpack_state(ray.get(weights[0])))
             self.version = version
 
     def generate(self, version: int, weights: list, prompt_ids: list[list[int]], keys: list[int],
@@ -189,13 +209,14 @@ class RayRolloutBackend:
         """Publish `model`'s state dict once (in `wire_dtype`) and have every worker load it."""
         began = time.perf_counter()
         with torch.no_grad():
-            state = {k: _wire(v, self.wire_dtype) for k, v in model.state_dict().items()}
-        self._weights = ray.put(state)
+            packed = pack_state(model.state_dict())
+            packed["tensors"] = {k: _wire(v, self.wire_dtype) for k, v in packed["tensors"].items()}
+        self._weights = ray.put(packed)
         self._version += 1
         version, weights = self._version, [self._weights]
         self._run({w: lambda actor: actor.load.remote(version, weights) for w in range(len(self._actors))})
         self.stats["rollout/sync_s"] = time.perf_counter() - began
-        self.stats["rollout/sync_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+        self.stats["rollout/sync_bytes"] = sum(t.numel() * t.element_size() for t in packed["tensors"].values())
 
     def close(self) -> None:
         for actor in self._actors:
