@@ -1,5 +1,6 @@
-"""A GRPO run with its rollouts on Ray workers: the same metrics and final weights without Ray, with 1 worker and
-with 2 (from the command line), same seed. Each run starts and stops its own local Ray (2 CPUs)."""
+"""Commands with their rollouts on Ray workers: a GRPO run gives the same metrics and final weights without Ray,
+with 1 worker and with 2, same seed; eval and profile give the same numbers. Each command starts and stops its own
+local Ray (2 CPUs)."""
 
 import json
 
@@ -40,4 +41,25 @@ def test_rollout_workers_give_the_same_run_as_one_process(tmp_path):
         assert [_comparable(r) for r in rows] == [_comparable(r) for r in alone], workers
         assert all(torch.equal(weights[k], other[k]) for k in weights), workers
         assert rows[0]["rollout/sync_bytes"] > 0 and "rollout/worker_0_tokens_per_s" in rows[0]
+    assert not ray.is_initialized()
+
+
+def test_eval_and_profile_on_a_ray_worker_equal_them_in_this_process(tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "abc " * (10 + 3 * i), "answer": str(i)}) + "\n"
+                            for i in range(3)))
+    common = ["--model", "tiny-llama", "--max-new-tokens", "8", "--seed", "1"]
+    results = []
+    for extra in ([], ["--rollout-workers", "1"]):
+        assert main(["eval", "--data", str(data), "--reward", "tests.test_trainer:byte_mean", "--k", "2",
+                     "--schedule", "const:48", "--json", *common, *extra]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0] == results[1] and results[0]["samples_per_example"] == 2
+    profiles = []
+    for name, extra in (("native", []), ("ray", ["--rollout-workers", "1"])):
+        out = tmp_path / name
+        assert main(["profile", "--prompts", str(data), "--schedules", "const:48", "--samples-per-prompt", "2",
+                     "--bin-size", "32", "--out", str(out), *common, *extra]) == 0
+        profiles.append(json.loads((out / "profile.json").read_text())["schedules"]["const:48"]["overall"])
+    assert profiles[0] == profiles[1]
     assert not ray.is_initialized()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,10 @@ class ModelOptions:
         return model, tokenizer
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # stdout may be a command's --json output
+
+
 @dataclass
 class RolloutOptions:
     """Where rollouts run: in this process (the default), or on `rollout_workers` Ray workers (a local Ray
@@ -86,7 +91,7 @@ class RolloutOptions:
 
         spec = ModelSpec(options.model, options.dtype, options.device, options.sparse_config(), max_batch_size,
                          adapter=options.adapter)
-        return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address)
+        return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address, log=_to_stderr)
 
 
 ROLLOUT_HELP = {

@@ -149,7 +149,8 @@ def _train(config: TrainConfig, log) -> list[dict]:
                 log(f"warning: step {step + 1}: {warning}")
             distilled = f"  distill {metrics['distill/loss']:.4f}" if policy.distiller else ""
             log(f"step {step + 1}/{grpo.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
-                f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s")
+                f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s"
+                f"{_worker_line(metrics)}")
             if held_out is not None and ((step + 1) % config.eval.every == 0 or step + 1 == grpo.steps):
                 _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
             if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
@@ -163,6 +164,15 @@ def _train(config: TrainConfig, log) -> list[dict]:
         return history
     finally:
         backend.close()  # a local Ray stops with the run, also when it fails
+
+
+def _worker_line(metrics: dict) -> str:
+    """Ray workers' share of the step for the progress line: sync and gather seconds, tokens/s per worker."""
+    if "rollout/sync_s" not in metrics:
+        return ""
+    rates = [f"{v:.0f}" for k, v in sorted(metrics.items()) if k.startswith("rollout/worker_")]
+    return (f"  (workers: sync {metrics['rollout/sync_s']:.1f}s, gather {metrics.get('rollout/gather_s', 0):.2f}s, "
+            f"tokens/s {' '.join(rates)})")
 
 
 def _adaptive_start(config: TrainConfig, examples: list, tokenizer) -> AdaptiveState:
