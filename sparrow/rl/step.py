@@ -138,6 +138,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per group."""
     clock = time.perf_counter()
     batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
+    step.advantages = step.advantages.to(policy.device)
     temperature = cfg.sampling.temperature
     logp_old = torch.zeros_like(batch.rollout_logprobs)
     bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
