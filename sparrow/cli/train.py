@@ -12,7 +12,8 @@ HELP = {
     "data": "prompt set: .jsonl or .parquet (verl layout detected)",
     "reward": "reward function: math, first_number, code, or module:function / file.py:function",
     "reward_weights": "weight of each --reward, in order",
-    "schedule": "rollout KV budget schedule (dense for the dense-rollout baseline)",
+    "schedule": "rollout KV budget schedule (dense for the dense-rollout baseline; adaptive: moved per length bin "
+                "during training to hold tau)",
     "num_generations": "rollouts per prompt (the GRPO group)",
     "tis_mode": "truncated importance sampling: truncate, mask or off",
     "tis_cap": "C in min(pi_old / pi_rollout, C)",
@@ -40,6 +41,13 @@ HELP = {
     "allow_changes": "with --resume: accept a changed config for the options where continuing makes sense",
     "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)",
     "learning_rate": "AdamW learning rate of the policy, in (0, 1]",
+    "adaptive_start": "with --schedule adaptive: the schedule its budgets start from",
+    "adaptive_margin": "with --schedule adaptive: a bin moves down only when the cheaper rung's p5 interval clears "
+                       "tau + margin",
+    "adaptive_patience": "with --schedule adaptive: consecutive steps of evidence before a bin moves (up at once when "
+                         "certainly below tau)",
+    "adaptive_min_tokens": "with --schedule adaptive: measured tokens a bin needs in a step to be decided on",
+    "wire_dtype": "dtype of the weights sent to Ray workers (bfloat16 halves the bytes; workers compute in --dtype)",
 }
 
 
