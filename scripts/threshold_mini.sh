@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The threshold in miniature on SmolLM2/passkey (BENCHMARKS.md): one seed, 10 GRPO steps per fixed budget and a
+# dense baseline, held-out evaluation before and after; about 6 minutes per run on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${SPARROW_THRESHOLD_DIR:-runs/bench/threshold}
+mkdir -p "$OUT"
+for schedule in const:64 const:128 const:256 const:512 dense; do
+    name=${schedule/:/-}
+    .venv/bin/sparrow train --config examples/smollm2-passkey.yaml --schedule "$schedule" --steps 10 --save-every 10 \
+        --eval-data examples/passkey-heldout.jsonl --eval-every 10 --eval-generations 4 --output-dir "$OUT/$name"
+done
+.venv/bin/sparrow report "$OUT/dense" "$OUT"/const-*/ --out "$OUT"
