@@ -1,4 +1,5 @@
-"""Reward functions for RL: math (math-verify), first number (short answers), code (tests run in a resource-limited child), custom, and scoring."""
+"""Reward functions for RL: math (math-verify in a worker pool with a hard timeout), first number and number F1
+(answers of numbers), code (tests judged outside a bubblewrap sandbox), custom, and scoring."""
 
 from sparrow.rewards.answer import first_number_reward
 from sparrow.rewards.code import CodeResult, code_results, code_reward, extract_program, run_code
