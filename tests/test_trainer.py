@@ -216,6 +216,7 @@ def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_
     assert budgets[0] and all(set(b) == set(budgets[0]) for b in budgets)
     assert any("budget down" in line for line in logged)  # tau 0.5 is easy: budgets fall toward the ladder's foot
     assert min(min(b.values()) for b in budgets) >= 48  # never below the always-kept pages
+    assert (full / "schedule.png").stat().st_size > 1000 and "schedule.png" in (full / "report.md").read_text()
     train(_config(data, split, **{**options, "steps": 2}), log=lambda *_: None)
     resumed = train(_config(data, split, **{**options, "resume": True}), log=lambda *_: None)
     assert {k: v for k, v in resumed[0].items() if k.startswith("adaptive/")} == budgets[2]

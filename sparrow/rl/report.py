@@ -110,9 +110,10 @@ def _plot_phases(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _bins(rows: list[dict]) -> list[str]:
-    keys = {k for r in rows for k in r if k.startswith("mismatch/bin_") and k.endswith("acceptance_lower_p5")}
-    return sorted(keys, key=lambda k: int(k.split("_")[1].split("/")[0]))
+def _bin_keys(runs: dict, prefix: str, suffix: str) -> list[str]:
+    """The per-length-bin metric names `<prefix><start>/<suffix>` of any run, by bin start."""
+    keys = {k for rows in runs.values() for r in rows for k in r if k.startswith(prefix) and k.endswith(suffix)}
+    return sorted(keys, key=lambda k: int(k[len(prefix):].split("/")[0]))
 
 
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
@@ -122,11 +123,16 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_curves(runs, [("reward/mean", "mean reward"), ("completions/mean_length", "mean response length")],
                  out_dir / "curves.png", "Reward and length")
-    bin_keys = sorted({k for rows in runs.values() for k in _bins(rows)},
-                      key=lambda k: int(k.split("_")[1].split("/")[0]))
+    bin_keys = _bin_keys(runs, "mismatch/bin_", "/exact_p5") or _bin_keys(runs, "mismatch/bin_", "acceptance_lower_p5")
     if bin_keys:
+        exact = bin_keys[0].endswith("exact_p5")
         _plot_curves(runs, [(k, k.split("/")[1].replace("bin_", "p5, bin from ")) for k in bin_keys[:4]],
-                     out_dir / "mismatch.png", "5th percentile of the acceptance lower bound per length bin")
+                     out_dir / "mismatch.png", "5th percentile of the " + ("exact acceptance" if exact else
+                                                                          "acceptance lower bound") + " per length bin")
+    budget_keys = _bin_keys(runs, "adaptive/bin_", "/budget")
+    if budget_keys:
+        _plot_curves(runs, [(k, k.split("/")[1].replace("bin_", "KV budget, bin from ")) for k in budget_keys[:4]],
+                     out_dir / "schedule.png", "Adaptive schedule: the budget in force per length bin")
     _plot_phases(runs, out_dir / "phases.png")
     first = next(iter(runs))
     base_rollout = _median(runs[first], "time/rollout_s")
@@ -151,6 +157,8 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     lines += ["", "![time per phase](phases.png)"]
     if bin_keys:
         lines += ["", "![tail acceptance per bin](mismatch.png)"]
+    if budget_keys:
+        lines += ["", "![adaptive schedule](schedule.png)"]
     warnings = [f"- {name}, step {r['step']}: {w}" for name, rows in runs.items() for r in rows
                 for w in r.get("mismatch/warnings", [])]
     lines += ["", "## Mismatch warnings", ""] + (warnings or ["none"])
