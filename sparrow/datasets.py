@@ -9,6 +9,7 @@ import numpy as np
 
 from sparrow.errors import SparrowError
 from sparrow.io import read_jsonl
+from sparrow.typed_config import check_int
 
 _EXTENSIONS = (".jsonl", ".json", ".parquet")
 _MAX_REPORTED = 10
@@ -157,12 +158,6 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise SparrowError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class PromptSampler:
     """Which examples each training step uses, as a pure function of (seed, step).
 
@@ -173,14 +168,14 @@ class PromptSampler:
     """
 
     def __init__(self, num_examples: int, batch_size: int, seed: int):
-        self.num_examples = _check_int("num_examples", num_examples, 1)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
+        self.num_examples = check_int("num_examples", num_examples, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
         self._orders: dict[int, np.ndarray] = {}
 
     def batch(self, step: int) -> list[int]:
         """Example indices (positions in the list the sampler was built for) for training step `step` (from 0)."""
-        step = _check_int("step", step, 0)
+        step = check_int("step", step, 0)
         start = step * self.batch_size
         indices = []
         for position in range(start, start + self.batch_size):
@@ -202,8 +197,8 @@ class PromptSampler:
 def split_examples(examples: list, held_out: int, seed: int) -> tuple[list, list]:
     """Split into (train, held-out) deterministically: the held-out examples are the first `held_out` of a
     permutation seeded by `seed`; both parts keep the original order."""
-    held_out = _check_int("held_out", held_out, 0)
-    seed = _check_int("seed", seed, 0)
+    held_out = check_int("held_out", held_out, 0)
+    seed = check_int("seed", seed, 0)
     if held_out >= len(examples):
         raise SparrowError(
             f"held_out={held_out} leaves no training examples out of {len(examples)}; "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass
@@ -206,6 +207,13 @@ def to_nested(config) -> dict:
     """The config as nested sections of plain values (for YAML and the run's saved config)."""
     return {f.name: to_nested(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))
             else getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """`value` as an int, or a SparrowError unless it is an integer (not a bool) >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise SparrowError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_finite(name: str, value, low: float | None = None, high: float | None = None, *,

@@ -17,15 +17,10 @@ import numpy as np
 import torch
 
 from sparrow.errors import SparrowError
+from sparrow.typed_config import check_int
 
 KEY_LIMIT = 2**32
 """Prompt keys and sample indices must be below this: each then takes one word of the stream's spawn key."""
-
-
-def _integer(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise SparrowError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class SamplingParams:
         if self.seed is not None:
             ints["seed"] = (self.seed, 0)
         for name, (value, minimum) in ints.items():
-            object.__setattr__(self, name, _integer(name, value, minimum))
+            object.__setattr__(self, name, check_int(name, value, minimum))
         if not _real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise SparrowError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:

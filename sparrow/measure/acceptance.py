@@ -21,7 +21,7 @@ from sparrow.engine import Completion
 from sparrow.lora import without_adapter
 from sparrow.measure.metrics import acceptance_rate
 from sparrow.rl.batch import RolloutBatch, piece_logits, shared_prompt_pieces
-from sparrow.schedules import Schedule
+from sparrow.schedules import DENSE, Schedule
 
 
 def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: Schedule, sparse: SparseConfig,
@@ -57,8 +57,6 @@ def teacher_forced_acceptance(model, completions: list[Completion], schedule: Sc
 def lockstep_acceptance(engine, completion: Completion, schedule: Schedule, temperature: float) -> list[float]:
     """The reference measurement: `completion`'s tokens fed one at a time through the engine's sparse and dense
     decode (two caches), acceptance of each token from the two next-token distributions on the same prefix."""
-    from sparrow.schedules import DENSE
-
     prompt, tokens = completion.prompt_token_ids, completion.token_ids
     rows = torch.zeros(1, dtype=torch.long, device=engine.device)
     caches = [engine.new_cache(1, len(prompt) + len(tokens)) for _ in range(2)]

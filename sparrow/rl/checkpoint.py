@@ -25,6 +25,7 @@ import torch
 from sparrow.attention.interface import base_model
 from sparrow.errors import SparrowError
 from sparrow.io import fsync_dir, umask
+from sparrow.lora import has_adapter
 
 from .distill import ADAPTER_MARK, SwitchState
 
@@ -40,10 +41,6 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _has_adapter(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def _plain_names(inner) -> dict[str, str]:
     """Plain transformers key -> key in `inner`'s state dict, for every non-LoRA tensor of a LoRA-injected model."""
     return {key.replace(".base_layer", ""): key for key in inner.state_dict() if ADAPTER_MARK not in key}
@@ -57,7 +54,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, st
     staging = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}.", dir=output_dir))
     try:
         os.chmod(staging, 0o777 & ~umask())  # mkdtemp makes 0700; a checkpoint should look like any directory
-        if _has_adapter(model):
+        if has_adapter(model):
             inner = base_model(model)
             tensors = inner.state_dict()
             inner.save_pretrained(staging, state_dict={plain: tensors[key]
@@ -204,10 +201,10 @@ def load_checkpoint(path: Path, model, optimizer, adapter_optimizer: torch.optim
     if problem is not None:
         raise SparrowError(f"checkpoint {path} is damaged: {problem}")
     adapter = path / ADAPTER_DIR
-    if adapter.is_dir() != _has_adapter(model):
+    if adapter.is_dir() != has_adapter(model):
         held = "holds a DistillSparse adapter" if adapter.is_dir() else "holds no DistillSparse adapter"
         raise SparrowError(f"checkpoint {path} {held} but this run has distill "
-                           f"{'on' if _has_adapter(model) else 'off'}; resume with the run's own distill setting")
+                           f"{'on' if has_adapter(model) else 'off'}; resume with the run's own distill setting")
     weights = {}
     for file in sorted(path.glob("*.safetensors")):
         weights.update(load_file(file))

@@ -18,7 +18,7 @@ from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
 from sparrow.schedules import Schedule, parse_schedule
-from sparrow.typed_config import check_finite
+from sparrow.typed_config import check_finite, check_int
 
 from .distill import DistillConfig
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
@@ -31,11 +31,6 @@ ANSWER_REWARDS = ("math", "first_number", "number_f1")
 
 def _flag(name: str, default):
     return field(default=default, metadata={"flag": name})
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SparrowError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_choice(name: str, value, known) -> None:
@@ -149,8 +144,8 @@ class GRPOSection:
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "mini_batches", "micro_batch_size"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("num_generations", self.num_generations, 2)  # one sample per group has zero advantage
+            check_int(name, getattr(self, name), 1)
+        check_int("num_generations", self.num_generations, 2)  # one sample per group has zero advantage
         check_finite("learning_rate", self.learning_rate, 0, 1, low_open=True)
         check_finite("weight_decay", self.weight_decay, 0)
         check_finite("max_grad_norm", self.max_grad_norm, 0, low_open=True)
@@ -187,8 +182,8 @@ class MonitorSection:
 
     def validate(self) -> None:
         check_finite("tau", self.tau, 0, 1)
-        _check_int("bin_size", self.bin_size, 1)
-        _check_int("monitor_every", self.monitor_every, 1)
+        check_int("bin_size", self.bin_size, 1)
+        check_int("monitor_every", self.monitor_every, 1)
         _check_choice("monitor", self.monitor, MONITORS)
         check_finite("monitor_share", self.monitor_share, 0, 1, low_open=True)
 
@@ -205,8 +200,8 @@ class AdaptiveSection:
 
     def validate(self) -> None:
         check_finite("adaptive_margin", self.margin, 0, 1, high_open=True)
-        _check_int("adaptive_patience", self.patience, 1)
-        _check_int("adaptive_min_tokens", self.min_tokens, 1)
+        check_int("adaptive_patience", self.patience, 1)
+        check_int("adaptive_min_tokens", self.min_tokens, 1)
 
 
 @dataclass
@@ -218,8 +213,8 @@ class EvalSection:
 
     def validate(self) -> None:
         _check_file("eval_data", self.data)
-        _check_int("eval_every", self.every, 1)
-        _check_int("eval_generations", self.generations, 1)
+        check_int("eval_every", self.every, 1)
+        check_int("eval_generations", self.generations, 1)
 
 
 @dataclass
@@ -234,8 +229,8 @@ class RolloutSection:
         _check_choice("backend", self.backend, BACKENDS)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
-        _check_int("rollout_workers", self.workers, 0)
-        _check_int("max_batch_size", self.max_batch_size, 1)
+        check_int("rollout_workers", self.workers, 0)
+        check_int("max_batch_size", self.max_batch_size, 1)
 
 
 @dataclass
@@ -248,9 +243,9 @@ class RunSection:
     allow_changes: bool = False
 
     def validate(self) -> None:
-        _check_int("seed", self.seed, 0)
-        _check_int("save_every", self.save_every, 1)
-        _check_int("keep_last", self.keep_last, 1)
+        check_int("seed", self.seed, 0)
+        check_int("save_every", self.save_every, 1)
+        check_int("keep_last", self.keep_last, 1)
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
             raise SparrowError(f"output_dir {self.output_dir!r} is an existing file; expected a directory")

@@ -14,11 +14,22 @@ from sparrow.lora import without_adapter
 from sparrow.schedules import Schedule
 
 
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `model` (cast to its dtype and device); the key sets must be equal."""
+    own = set(model.state_dict())
+    missing, extra = sorted(own - set(state)), sorted(set(state) - own)
+    if missing or extra:
+        first = f"first missing: {missing[0]}" if missing else f"first unexpected: {extra[0]}"
+        raise SparrowError(f"sync_weights: the policy's state dict differs from the rollout model's in "
+                           f"{len(missing)} missing and {len(extra)} unexpected tensors ({first}); expected the same "
+                           "architecture and adapter (ModelSpec.distill / adapter)")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
+
+
 class NativeBackend:
     """Rollouts from our engine. When the trainer's policy is the very model object (the usual case),
     `sync_weights` has nothing to copy; another model's parameters and buffers are copied in place."""
-
-    name = "native"
 
     def __init__(self, model, tokenizer, sparse: SparseConfig | None = None, max_batch_size: int = 64):
         self.engine = RolloutEngine(model, tokenizer, sparse, max_batch_size=max_batch_size)
@@ -27,21 +38,13 @@ class NativeBackend:
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
                  progress: bool = False) -> list[Completion]:
         scope = contextlib.nullcontext() if adapter else without_adapter(self.engine.model)
-        keys = {} if prompt_keys is None else {"prompt_keys": list(prompt_keys)}
         with scope:
-            return self.engine.generate(prompts, sampling, schedule, num_samples, progress=progress, **keys)
+            return self.engine.generate(prompts, sampling, schedule, num_samples, progress=progress,
+                                        prompt_keys=prompt_keys)
 
-    @torch.no_grad()
     def sync_weights(self, model) -> None:
-        own = self.engine.model
-        if model is own:
-            return
-        state = model.state_dict()
-        missing = sorted(set(own.state_dict()) - set(state))
-        if missing:
-            raise SparrowError(f"sync_weights: the given model lacks {len(missing)} of the backend's tensors "
-                               f"(first: {missing[0]}); expected the same architecture and adapter")
-        own.load_state_dict(state, strict=True)
+        if model is not self.engine.model:
+            load_state(self.engine.model, model.state_dict())
 
     def close(self) -> None:
         self.engine = None

@@ -33,7 +33,7 @@ from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
 
 from .factory import ModelSpec
-from .native import NativeBackend
+from .native import NativeBackend, load_state
 
 CONNECT_TIMEOUT_S = 5.0
 RESOURCE_WAIT_S = 3.0
@@ -70,19 +70,6 @@ def unpack_state(packed: dict) -> dict[str, torch.Tensor]:
     """The full state dict of `pack_state`'s result."""
     tensors = packed["tensors"]
     return {**tensors, **{alias: tensors[name] for alias, name in packed["aliases"].items()}}
-
-
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` into `model` (cast to its dtype and device); the key sets must be equal."""
-    own = set(model.state_dict())
-    missing, extra = sorted(own - set(state)), sorted(set(state) - own)
-    if missing or extra:
-        first = f"first missing: {missing[0]}" if missing else f"first unexpected: {extra[0]}"
-        raise SparrowError(f"sync_weights: the policy's state dict differs from the rollout worker's model in "
-                           f"{len(missing)} missing and {len(extra)} unexpected tensors ({first}); expected the same "
-                           "architecture and adapter (ModelSpec.distill / adapter)")
-    with torch.no_grad():
-        model.load_state_dict(state, strict=True)
 
 
 class RolloutWorker:
@@ -139,8 +126,6 @@ class RayRolloutBackend:
     of the last generate), rollout/gather_s (that minus its slowest worker's own time: scheduling, transfer and
     reassembly), rollout/retries, and rollout/worker_{i}_tokens_per_s for the workers that had a share.
     """
-
-    name = "ray"
 
     def __init__(self, model, tokenizer, spec: ModelSpec, workers: int, ray_address: str | None = None, *,
                  cpus_per_worker: int | None = None, wire_dtype: str | None = None, max_restarts: int = 3,
