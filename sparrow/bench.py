@@ -74,18 +74,18 @@ def _time_hf(model, prompt: torch.Tensor, batch: int, steps: int, repeats: int) 
     inner.set_attn_implementation("sdpa")
     try:
         out = model(input_ids=prompt[:, :-1], use_cache=True)
-        prefilled = out.cache
+        prefilled = out.past_key_values
         prefilled.batch_repeat_interleave(batch)
         ids = prompt.expand(batch, -1)
         kwargs = dict(do_sample=False, min_new_tokens=steps, max_new_tokens=steps, pad_token_id=0)
-        model.generate(ids, cache=copy.deepcopy(prefilled), **{**kwargs, "min_new_tokens": 2,
+        model.generate(ids, past_key_values=copy.deepcopy(prefilled), **{**kwargs, "min_new_tokens": 2,
                                                                           "max_new_tokens": 2})
         times = []
         for _ in range(repeats):
             cache = copy.deepcopy(prefilled)
             _sync(prompt.device)
             start = time.perf_counter()
-            model.generate(ids, cache=cache, **kwargs)
+            model.generate(ids, past_key_values=cache, **kwargs)
             _sync(prompt.device)
             times.append(time.perf_counter() - start)
         return times

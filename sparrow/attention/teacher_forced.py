@@ -44,9 +44,9 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, prompt_length: int, **c
     logits = first.logits.expand(g, -1, -1)
     if length - 1 <= prompt_length:
         return logits
-    cache = first.cache
+    cache = first.past_key_values
     cache.batch_repeat_interleave(g)
-    rest = model(input_ids=input_ids[:, prompt_length:-1], cache=cache, use_cache=True, **continuation_kwargs)
+    rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True, **continuation_kwargs)
     return torch.cat([logits, rest.logits], dim=1)
 
 
