@@ -117,3 +117,11 @@ def sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total
     them apart by count) -> [B, Hkv, G, D]."""
     return _module.sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total,
                                  sparse.sink_pages, sparse.recent_pages, float(scaling))
+
+
+def paged_sparse_decode(queries, kv_cache, phys, landmarks, n_pages, budget_pages, total, sparse, scaling: float):
+    """The same step over vLLM's CPU paged cache [blocks, Hkv, block, 2 D] (sparrow/vllm/cpu_attention.py):
+    queries [R, Hkv, G, D]; phys [R, P] physical pages of each request's pages; landmarks per physical page
+    [pages, Hkv, D] each -> [R, Hkv, G, D]."""
+    return _module.paged_sparse_decode(queries, kv_cache, phys, landmarks, n_pages, budget_pages, total,
+                                       sparse.page_size, sparse.sink_pages, sparse.recent_pages, float(scaling))
