@@ -204,9 +204,14 @@ class RolloutEngine:
         return any(s in tail for s in sampling.stop)
 
     def _final_text(self, seq: Completion, sampling: SamplingParams) -> str:
-        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in sampling.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return final_text(self.tokenizer, seq.token_ids, sampling.stop)
+
+
+def final_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> str:
+    """A completion's text: its tokens decoded without special tokens, cut before the first stop string."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 def check_prompt_keys(prompt_keys: Sequence[int] | None, count: int) -> list[int]:

