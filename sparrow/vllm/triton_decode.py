@@ -93,7 +93,7 @@ def _paged_sparse_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pages_ptr, seq_lens_ptr
 
 def _check_shapes(queries, key_cache, value_cache, page_table, pages, seq_lens, page_size: int) -> None:
     requests, kv_heads, _, dim = queries.shape
-    blocks, block, cache_heads, cache_dim = key_cache.shape
+    _, block, cache_heads, cache_dim = key_cache.shape
     if value_cache.shape != key_cache.shape or (cache_heads, cache_dim) != (kv_heads, dim):
         raise SparrowError(f"paged sparse attention: key cache {tuple(key_cache.shape)} and value cache "
                            f"{tuple(value_cache.shape)} must both be [blocks, block, {kv_heads}, {dim}] for queries "
@@ -163,7 +163,7 @@ def reference_paged_attention(queries: torch.Tensor, key_cache: torch.Tensor, va
                               scale: float) -> torch.Tensor:
     """`paged_sparse_attention` in PyTorch: gather the selected pages, then SDPA with a mask."""
     _check_shapes(queries, key_cache, value_cache, page_table, pages, seq_lens, page_size)
-    requests, kv_heads, group, dim = queries.shape
+    requests, kv_heads, _, dim = queries.shape
     slots = pages.shape[-1]
     live = pages >= 0
     logical = pages.clamp(min=0).long()

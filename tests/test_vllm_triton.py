@@ -1,0 +1,274 @@
+"""The GPU path of the vLLM plugin, on CPU: the Triton kernel under Triton's interpreter against its PyTorch
+reference and against `paged.reference_decode`, and the CUDA backend's plan, landmarks and sparse forward.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors with numpy, but only if the variable is set
+before `triton.language` is imported: its own helpers (tl.zeros, tl.max, tl.sum) are decorated then. The suite's
+conftest imports our models, hence torch._dynamo, which imports triton; so when this module finds triton already
+imported without the interpreter, its tests run in a child pytest started with TRITON_INTERPRET=1
+(`test_the_kernels_under_the_interpreter`) and are skipped here.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # for a triton imported from here on
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction
+
+from sparrow.attention import SparseConfig
+from sparrow.schedules import const
+from sparrow.vllm import config as plugin_config
+from sparrow.vllm.paged import (
+    PageLandmarks,
+    filled_pages,
+    physical_pages,
+    reference_decode,
+    select_decode_pages,
+)
+
+INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="triton was imported before TRITON_INTERPRET was set; "
+                                                         "run in a child by test_the_kernels_under_the_interpreter")
+if INTERPRETED:
+    from sparrow.vllm.triton_decode import (
+        page_reader,
+        paged_sparse_attention,
+        reference_paged_attention,
+        sparse_decode,
+    )
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
+def test_the_kernels_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not test_the_kernels_under_the_interpreter"],
+                         cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout, run.stdout[-1000:]
+
+
+PS = 16
+GARBAGE = 50.0  # what unwritten cache slots hold: a kernel reading past a request's length would be far off
+
+
+class Batch:
+    """R requests of different lengths (a partial last page each) written into scattered blocks of a vLLM CUDA
+    cache [blocks, Hkv, block, 2 D] (`layout` NHD: physical [blocks, block, Hkv, 2 D], vLLM's default; HND:
+    contiguous), the landmarks of the full pages kept as the backend keeps them."""
+
+    def __init__(self, lengths, kv_heads, group, dim, block, landmark="centroid", layout="NHD", seed=0,
+                 dtype=torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        self.sparse = SparseConfig(landmark=landmark)
+        self.lengths, self.kv_heads, self.group, self.dim, self.block = lengths, kv_heads, group, dim, block
+        need = [-(-n // block) for n in lengths]
+        self.num_blocks = sum(need) + 3
+        order = torch.randperm(self.num_blocks, generator=gen).tolist()
+        self.blocks_of = [order[sum(need[:r]):sum(need[: r + 1])] for r in range(len(lengths))]
+        width = max(need)
+        self.block_table = torch.tensor([b + [0] * (width - len(b)) for b in self.blocks_of], dtype=torch.int32)
+        if layout == "NHD":
+            physical = torch.full((self.num_blocks, block, kv_heads, 2 * dim), GARBAGE, dtype=dtype)
+            self.kv_cache = physical.transpose(1, 2)
+        else:
+            self.kv_cache = torch.full((self.num_blocks, kv_heads, block, 2 * dim), GARBAGE, dtype=dtype)
+        self.key_cache, self.value_cache = self.kv_cache.transpose(1, 2).split(dim, dim=-1)
+        self.keys = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in lengths]
+        self.values = [torch.randn(n, kv_heads, dim, generator=gen).to(dtype) for n in lengths]
+        self.slot_mapping = torch.cat([self.slots(r, torch.arange(n)) for r, n in enumerate(lengths)])
+        self.key_cache[self.slot_mapping // block, self.slot_mapping % block] = torch.cat(self.keys)
+        self.value_cache[self.slot_mapping // block, self.slot_mapping % block] = torch.cat(self.values)
+        self.landmarks = PageLandmarks(self.sparse, self.num_blocks * block // PS, kv_heads, dim, dtype, "cpu")
+        pages = filled_pages(self.slot_mapping, PS)
+        self.landmarks.update(pages, page_reader(self.key_cache, self.value_cache, PS)(pages)[0])
+        self.seq_lens = torch.tensor(lengths)
+        self.n_pages = (self.seq_lens + PS - 1) // PS
+        self.page_table = physical_pages(self.block_table, int(self.n_pages.max()), block, PS)
+        self.queries = torch.randn(len(lengths), kv_heads, group, dim, generator=gen).to(dtype)
+        self.scale = dim ** -0.5
+
+    def slots(self, request: int, tokens: torch.Tensor) -> torch.Tensor:
+        blocks = torch.tensor(self.blocks_of[request])
+        return blocks[tokens // self.block] * self.block + tokens % self.block
+
+    def selected(self, budget_pages):
+        marks = self.landmarks.gather(self.page_table)
+        pages, valid = select_decode_pages(self.queries, marks, self.n_pages, budget_pages, self.sparse)
+        return torch.where(valid, pages, -1)
+
+
+@interpreted
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("dim", [32, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_kernel_equals_its_reference_on_selected_pages(group, dim, block):
+    """Centroid and quest selections from `select_decode_pages`, one split and several."""
+    for landmark in ("centroid", "quest"):
+        batch = Batch([150, 37, 261], 2, group, dim, block, landmark=landmark, seed=group * dim + block)
+        budget = torch.tensor([5, 5, 7])
+        pages = batch.selected(budget)
+        assert (pages >= 0).sum(-1).tolist() == [[5, 5], [3, 3], [7, 7]]  # sparse, and dense where it fits
+        ref = reference_paged_attention(batch.queries, batch.key_cache, batch.value_cache, batch.page_table, pages,
+                                        batch.seq_lens, PS, batch.scale)
+        for splits in (1, 3):
+            out = paged_sparse_attention(batch.queries, batch.key_cache, batch.value_cache, batch.page_table, pages,
+                                         batch.seq_lens, PS, batch.scale, num_splits=splits)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_sparse_step_equals_the_paged_reference_decode(landmark, layout):
+    """Selection + kernel against `paged.reference_decode` reading the same cache: budgets below and above the
+    pages held, in either of vLLM's physical layouts."""
+    batch = Batch([300, 97, 513, 40], 2, 2, 64, 32, landmark=landmark, layout=layout)
+    read = page_reader(batch.key_cache, batch.value_cache, PS)
+    dense = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens,
+                             batch.n_pages, batch.sparse, batch.scale)
+    for budget in (torch.tensor([4, 4, 6, 4]), torch.tensor([128, 3, 8, 3])):
+        ref = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens, budget,
+                               batch.sparse, batch.scale)
+        out = sparse_decode(batch.queries, batch.key_cache, batch.value_cache, batch.page_table, batch.landmarks,
+                            batch.seq_lens, budget, batch.sparse, batch.scale)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        sparse_rows = budget < batch.n_pages
+        assert (out[sparse_rows] - dense[sparse_rows]).abs().max() > 1e-3  # sparse rows really attend fewer pages
+        torch.testing.assert_close(out[~sparse_rows], dense[~sparse_rows], atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_the_kernel_takes_half_precision():
+    batch = Batch([150, 70], 2, 4, 64, 16, dtype=torch.float16)
+    pages = batch.selected(torch.tensor([4, 4]))
+    out = paged_sparse_attention(batch.queries, batch.key_cache, batch.value_cache, batch.page_table, pages,
+                                 batch.seq_lens, PS, batch.scale)
+    ref = reference_paged_attention(batch.queries.float(), batch.key_cache.float(), batch.value_cache.float(),
+                                    batch.page_table, pages, batch.seq_lens, PS, batch.scale)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+# -- the CUDA backend, importable on CPU -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_backend():
+    pytest.importorskip("vllm")
+    from sparrow.vllm import cuda_attention
+
+    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(), const(64)))
+    yield cuda_attention
+    plugin_config.activate(None)
+
+
+def test_the_backend_validates_where_vllm_would_pick_flash_attention(cuda_backend):
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    backend = cuda_backend.SparrowTritonAttentionBackend
+    assert issubclass(backend, TritonAttentionBackend)
+    assert backend.get_impl_cls() is cuda_backend.SparrowTritonAttentionImpl
+    assert backend.get_builder_cls().get_cudagraph_support(None, None).name == "NEVER"
+    for dtype in (torch.float32, torch.bfloat16):
+        for block in (16, 32):
+            config = AttentionSelectorConfig(head_size=64, dtype=dtype, kv_cache_dtype="auto", block_size=block)
+            assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **config._asdict()) == []
+    fp8 = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=16)
+    assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **fp8._asdict())
+
+
+def _common_metadata(query_lens, seq_lens, block_table, slot_mapping):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(query_lens), num_actual_tokens=int(starts[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping)
+
+
+def _triton_metadata(cuda_backend, cm, **extra):
+    segments = torch.empty(0)
+    return cuda_backend.SparrowTritonMetadata(
+        num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
+        max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+        slot_mapping=cm.slot_mapping, seq_threshold_3D=8, num_par_softmax_segments=16,
+        softmax_segm_output=segments, softmax_segm_max=segments, softmax_segm_expsum=segments, causal=True, **extra)
+
+
+def test_the_plan_sends_long_decodes_to_the_kernel_and_the_rest_to_vllms_kernel(cuda_backend):
+    """Budget 64 tokens = 4 pages: requests 0 and 2 decode sparsely; request 1 (3 pages) decodes densely and
+    request 3 is a prefill chunk of 5 tokens; the stock sub-batch holds exactly their tokens and metadata."""
+    block_table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    cm = _common_metadata([1, 1, 1, 5], [300, 40, 100, 80], block_table, torch.arange(8))
+    plan = cuda_backend.sparse_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
+    assert plan.tokens.tolist() == [0, 2]
+    assert plan.seq_lens.tolist() == [300, 100] and plan.budget_pages.tolist() == [4, 4]
+    assert plan.page_table.shape == (2, 19)
+    assert plan.page_table[1, :7].tolist() == [40, 41, 42, 43, 44, 45, 46]  # request 2: blocks 20.. of 2 pages
+    stock = plan.stock
+    assert stock.tokens.tolist() == [1, 3, 4, 5, 6, 7]
+    meta = stock.metadata
+    assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [40, 80]
+    assert meta.block_table[:, 0].tolist() == [10, 30] and meta.slot_mapping.tolist() == [1, 3, 4, 5, 6, 7]
+    assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 5, 80)
+    assert meta.sparse_plan is None
+    dense_cm = _common_metadata([1, 5], [40, 80], block_table[:2], torch.arange(6))
+    assert cuda_backend.sparse_plan(plugin_config.active(), dense_cm, _triton_metadata(cuda_backend, dense_cm),
+                                    32) is None
+
+
+@interpreted
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_backend_keeps_landmarks_and_decodes_as_the_reference(cuda_backend, landmark):
+    """The impl's landmarks from the cache as slots are written (prompt, then one decode token per request), and
+    its forward on a batch of sparse decodes equal `paged.reference_decode`; a dense layer is left to vLLM."""
+    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    batch = Batch([300, 97, 513], 2, 2, 64, 32, landmark=landmark)
+    impl = cuda_backend.SparrowTritonAttentionImpl(4, 64, batch.scale, 2, None, None, "auto")
+    prompt = torch.cat([batch.slots(r, torch.arange(n - 1)) for r, n in enumerate(batch.lengths)])
+    impl.update_landmarks(batch.kv_cache, prompt)
+    last = torch.stack([batch.slots(r, torch.tensor(n - 1)) for r, n in enumerate(batch.lengths)])
+    impl.update_landmarks(batch.kv_cache, last)  # request 1's token 96 fills its page 5
+    for store, mine in zip(batch.landmarks.tensors, impl.landmarks.tensors):
+        torch.testing.assert_close(mine, store)
+    cm = _common_metadata([1, 1, 1], batch.lengths, batch.block_table, last)
+    plan = cuda_backend.sparse_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), batch.block)
+    assert plan.stock is None and plan.tokens.tolist() == [0, 1, 2]
+    meta = _triton_metadata(cuda_backend, cm, sparse_plan=plan)
+    query = batch.queries.reshape(3, 4, 64)
+    output = torch.zeros(3, 4, 64)
+    impl.forward(SimpleNamespace(layer_name="model.layers.3.self_attn.attn"), query, None, None, batch.kv_cache,
+                 meta, output)
+    ref = reference_decode(batch.queries, page_reader(batch.key_cache, batch.value_cache, PS), batch.page_table,
+                           batch.landmarks, batch.seq_lens, plan.budget_pages, batch.sparse, batch.scale)
+    torch.testing.assert_close(output.view(3, 2, 2, 64), ref, atol=1e-5, rtol=1e-5)
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    def stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        return output.fill_(7.0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonAttentionImpl, "forward", stock)
+        dense = impl.forward(SimpleNamespace(layer_name="model.layers.1.self_attn.attn"), query, None, None,
+                             batch.kv_cache, meta, torch.zeros(3, 4, 64))
+    assert bool((dense == 7.0).all())  # a dense layer goes to vLLM's kernel whole
+
+
+def test_the_backend_refuses_attention_it_cannot_make_sparse(cuda_backend):
+    from sparrow.errors import SparrowError
+
+    with pytest.raises(SparrowError, match="a sliding window, a logit soft cap"):
+        cuda_backend.SparrowTritonAttentionImpl(4, 64, 0.125, 2, None, 128, "auto", logits_soft_cap=30.0)
