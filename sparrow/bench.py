@@ -132,3 +132,47 @@ def machine_info(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+@dataclass
+class VLLMBenchResult:
+    """Decode tokens/s of one vLLM engine: dense and, with the plugin, under the schedule."""
+
+    dense_tokens_per_s: float
+    sparse_tokens_per_s: float | None
+    prefill_s: float
+
+
+def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: int, steps: int = 32,
+                       repeats: int = 3, seed: int = 0, log=print) -> VLLMBenchResult:
+    """Decode tokens/s of a `VLLMBackend` at `context` cached tokens on `batch` distinct random prompts.
+
+    The prompts are prefilled once (their blocks stay in vLLM's prefix cache); each timed call then decodes
+    `steps` tokens per request, and the rate is batch * (steps - 1) over the time beyond a 1-token call, so the
+    recompute of each prompt's partial last block cancels out. `schedule` None: dense only (stock vLLM).
+    """
+    vocab = len(backend.tokenizer)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0)
+    many = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, num_logprobs=0)
+    log(f"prefill: {batch} distinct prompts of {context} tokens")
+    start = time.perf_counter()
+    backend.generate(prompts, one, DENSE)
+    prefill_s = time.perf_counter() - start
+    rates = {}
+    for name, sched in (("dense", DENSE), ("sparse", schedule)):
+        if sched is None:
+            continue
+        backend.generate(prompts, many, sched)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.generate(prompts, one, sched)
+            base = time.perf_counter() - start
+            start = time.perf_counter()
+            backend.generate(prompts, many, sched)
+            times.append(time.perf_counter() - start - base)
+        rates[name] = batch * (steps - 1) / statistics.median(times)
+        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times) / (steps - 1):.1f} ms/step)")
+    return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s)

@@ -285,3 +285,25 @@ def test_quest_landmarks_and_qwen3_q_k_norms_teacher_force_to_the_same_log_probs
         assert share >= 0.99
     finally:
         backend.close()
+
+
+def test_grpo_steps_with_the_vllm_backend_sync_weights_and_train(tmp_path):
+    """Two GRPO steps from the CLI with rollouts from vLLM: the second step's rollouts come from the updated
+    weights (synced through reload_weights), and the exact monitor measures vLLM's sparse tokens."""
+    from sparrow.cli import main
+
+    _backend.cache_clear()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "abc " * (40 + 9 * i), "answer": str(i)}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    model_dir = _save_tiny(tmp_path / "tiny", "llama")
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
+                 "--backend", "vllm", "--reward", "tests.test_trainer:byte_mean", "--steps", "2",
+                 "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "12",
+                 "--learning-rate", "1e-3", "--schedule", "const:64", "--micro-batch-size", "4", "--bin-size", "64",
+                 "--seed", "3", "--monitor", "exact"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[1]["time/sync_s"] > 0
+    assert 0 < rows[0]["mismatch/exact/p5"] < 1 and rows[0]["mismatch/exact/tokens"] > 0

@@ -7,7 +7,7 @@ import datetime
 import json
 from dataclasses import dataclass
 
-from sparrow.bench import machine_info, run_benchmark
+from sparrow.bench import machine_info, run_benchmark, run_vllm_benchmark
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
 
@@ -26,6 +26,7 @@ class BenchConfig(ModelOptions):
     hf: bool = True
     seed: int = 0
     json: bool = False
+    backend: str = "native"
 
     def validate(self) -> None:
         super().validate()
@@ -34,6 +35,10 @@ class BenchConfig(ModelOptions):
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.seed < 0:
             raise SparrowError(f"warmup and seed must be >= 0, got {self.warmup} and {self.seed}")
+        if self.backend not in ("native", "vllm"):
+            raise SparrowError(f"unknown backend {self.backend!r}: expected native or vllm")
+        if self.backend == "vllm" and self.steps < 2:
+            raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
         if self.parsed_schedule().is_dense:
             raise SparrowError("bench compares dense with a sparse schedule; give --schedule other than 'dense'")
 
@@ -47,27 +52,101 @@ HELP = {
     "repeats": "timed repeats; the median is reported",
     "hf": "also time transformers' generate (dense SDPA) from the same prefill",
     "json": "print one JSON object with the results",
+    "backend": "vllm: after our engine's numbers, stock vLLM (in a child process) and vLLM with Sparrow's plugin, "
+               "dense and sparse, on distinct prompts",
 }
 
 
 def run(args) -> int:
     config = load_config(BenchConfig, args)
+    log = (lambda *_: None) if config.json else print
+    stock = _stock_vllm(config, log) if config.backend == "vllm" else None  # before this process does any work
     model, tokenizer = config.load()
     engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.batch)
-    log = (lambda *_: None) if config.json else print
     result = run_benchmark(engine, config.parsed_schedule(), config.context, config.batch, config.steps,
                            config.warmup, config.repeats, config.hf, config.seed, log=log)
     record = {**dataclasses.asdict(result), "config": dataclasses.asdict(config),
               "machine": machine_info(engine.device), "date": datetime.date.today().isoformat()}
+    if config.backend == "vllm":
+        del engine, model
+        record["vllm"] = _vllm_results(config, tokenizer, stock, log)
     if config.json:
         print(json.dumps(record))
     else:
         print(f"sparse / dense: {result.sparse_over_dense:.2f}x", end="")
         print(f"   dense / transformers generate: {result.dense_over_hf:.2f}x" if result.hf_tokens_per_s else "")
+        if config.backend == "vllm":
+            v = record["vllm"]
+            print(f"vLLM sparse / vLLM dense: {v['sparse_over_dense']:.2f}x   vLLM dense (plugin) / stock vLLM: "
+                  f"{v['dense_over_stock']:.2f}x")
     return 0
 
 
+def _vllm_setup(config: BenchConfig):
+    """(model directory, KV cache GiB, max model length, benchmark arguments) of the vLLM runs."""
+    import os
+
+    from sparrow.rollout.vllm_backend import kv_cache_gib_for, model_directory
+
+    directory = model_directory(config.model)
+    length = config.context + config.steps
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the benchmark may decode past the trained context
+    args = dict(context=config.context, batch=config.batch, steps=config.steps, repeats=config.repeats,
+                seed=config.seed)
+    return directory, kv_cache_gib_for(directory, config.batch * length, config.dtype), length, args
+
+
+def _stock_vllm(config: BenchConfig, log) -> float:
+    """Dense decode tokens/s of stock vLLM, in a child process where the plugin is not configured."""
+    import os
+    import subprocess
+    import sys
+
+    from sparrow.vllm.config import ENV_NAMES
+
+    directory, gib, length, args = _vllm_setup(config)
+    child = ("import json, sys\n"
+             "from sparrow.bench import run_vllm_benchmark\n"
+             "from sparrow.models import load_model\n"
+             "from sparrow.rollout.vllm_backend import VLLMBackend\n"
+             "if __name__ == '__main__':\n"
+             "    d, gib, dtype, length, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), "
+             "json.loads(sys.argv[5])\n"
+             "    _, tok = load_model(d)\n"
+             "    b = VLLMBackend(d, tok, dtype=dtype, kv_cache_gib=gib, plugin=False, log=lambda m: None,\n"
+             "                    max_model_len=length)\n"
+             "    r = run_vllm_benchmark(b, None, log=lambda m: print(m, file=sys.stderr), **args)\n"
+             "    print('RESULT' + json.dumps(r.dense_tokens_per_s))\n")
+    log("stock vLLM (child process):")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    run = subprocess.run([sys.executable, "-c", child, str(directory), str(gib), config.dtype, str(length),
+                          json.dumps(args)], env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SparrowError(f"the stock vLLM benchmark failed: {run.stderr.strip().splitlines()[-1:]}")
+    stock = json.loads(run.stdout.split("RESULT")[-1])
+    log(f" stock: {stock:8.1f} tokens/s")
+    return stock
+
+
+def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
+    """vLLM with the plugin in this process, dense and under the schedule, next to stock vLLM's dense rate."""
+    from sparrow.rollout.vllm_backend import VLLMBackend
+
+    directory, gib, length, args = _vllm_setup(config)
+    log("vLLM with Sparrow's plugin:")
+    backend = VLLMBackend(directory, tokenizer, config.sparse_config(), dtype=config.dtype, kv_cache_gib=gib,
+                          max_model_len=length, log=lambda m: None)
+    try:
+        result = run_vllm_benchmark(backend, config.parsed_schedule(), log=log, **args)
+    finally:
+        backend.close()
+    return {"stock_dense_tokens_per_s": stock, "dense_tokens_per_s": result.dense_tokens_per_s,
+            "sparse_tokens_per_s": result.sparse_tokens_per_s,
+            "sparse_over_dense": result.sparse_tokens_per_s / result.dense_tokens_per_s,
+            "dense_over_stock": result.dense_tokens_per_s / stock, "prefill_s": result.prefill_s}
+
+
 def add_parser(sub) -> None:
-    parser = sub.add_parser("bench", help="measure decode throughput, dense vs sparse vs transformers")
+    parser = sub.add_parser("bench", help="measure decode throughput, dense vs sparse vs transformers (and vLLM)")
     add_config_options(parser, BenchConfig, HELP)
     parser.set_defaults(run=run)

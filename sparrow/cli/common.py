@@ -78,23 +78,31 @@ class RolloutOptions:
     """Where rollouts run: in this process (the default), or on `rollout_workers` Ray workers (a local Ray
     started and stopped by the command, or the cluster at `ray_address`)."""
 
+    backend: str = "native"
     rollout_workers: int = 0
     ray_address: str | None = None
 
     def validate(self) -> None:
+        from sparrow.rollout.factory import BACKENDS
+
         if isinstance(self.rollout_workers, bool) or self.rollout_workers < 0:
             raise SparrowError(f"rollout_workers must be an integer >= 0, got {self.rollout_workers!r}")
+        if self.backend not in BACKENDS:
+            raise SparrowError(f"unknown rollout backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
 
-    def backend(self, options: ModelOptions, model, tokenizer, max_batch_size: int = 64):
+    def make_backend(self, options: ModelOptions, model, tokenizer, max_batch_size: int = 64):
         """The rollout backend for `model` (see sparrow.rollout.factory)."""
         from sparrow.rollout.factory import ModelSpec, create_backend
 
         spec = ModelSpec(options.model, options.dtype, options.device, options.sparse_config(), max_batch_size,
                          adapter=options.adapter)
-        return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address, log=_to_stderr)
+        return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address, log=_to_stderr,
+                              backend=self.backend)
 
 
 ROLLOUT_HELP = {
+    "backend": "rollout backend: native (our engine) or vllm (stock vLLM with Sparrow's plugin; pip install "
+               "'sparrow-rl[vllm]')",
     "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
     "ray_address": "attach to a Ray cluster (started with `ray start --head`; `auto` on its head node) instead of "
                    "starting a local one",

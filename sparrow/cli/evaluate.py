@@ -65,7 +65,7 @@ def run(args) -> int:
     config = load_config(EvalConfig, args)
     examples = load_examples(DataSpec(config.data, config.prompt_field, config.answer_field))
     model, tokenizer = config.load()
-    backend = config.backend(config, model, tokenizer)
+    backend = config.make_backend(config, model, tokenizer)
     try:
         result = evaluate(backend, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
                           config.threshold, progress=not config.json)

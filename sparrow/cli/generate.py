@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from sparrow.datasets import read_prompts
 from sparrow.engine import SamplingParams, as_chat
 from sparrow.errors import SparrowError
-from sparrow.rollout import NativeBackend
 
-from .common import MODEL_HELP, ModelOptions, require_file
+from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, require_file
 from .config import add_config_options, load_config
 
 
 @dataclass
-class GenerateConfig(ModelOptions):
+class GenerateConfig(ModelOptions, RolloutOptions):
     prompt: str | None = None
     prompts: str | None = None
     max_new_tokens: int = 128
@@ -33,6 +32,7 @@ class GenerateConfig(ModelOptions):
 
     def validate(self) -> None:
         super().validate()
+        RolloutOptions.validate(self)
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if self.prompts is not None:
@@ -49,6 +49,7 @@ class GenerateConfig(ModelOptions):
 
 HELP = {
     **MODEL_HELP,
+    **ROLLOUT_HELP,
     "prompt": "one prompt text",
     "prompts": "JSONL file, one object per line with a 'prompt' field (text or chat messages)",
     "temperature": "sampling temperature; 0 = greedy",
@@ -64,9 +65,12 @@ def run(args) -> int:
     config = load_config(GenerateConfig, args)
     prompts = [config.prompt] if config.prompt is not None else read_prompts(config.prompts)
     model, tokenizer = config.load()
-    backend = NativeBackend(model, tokenizer, config.sparse_config(), max_batch_size=config.max_batch_size)
-    completions = backend.generate(as_chat(prompts) if config.chat else prompts, config.sampling(),
-                                   config.parsed_schedule(), config.num_samples, progress=not config.json)
+    backend = config.make_backend(config, model, tokenizer, config.max_batch_size)
+    try:
+        completions = backend.generate(as_chat(prompts) if config.chat else prompts, config.sampling(),
+                                       config.parsed_schedule(), config.num_samples, progress=not config.json)
+    finally:
+        backend.close()
     for c in completions:
         if config.json:
             print(json.dumps(c.to_json()))

@@ -81,7 +81,7 @@ def run(args) -> int:
     prompts = read_prompts(config.prompts)
     model, tokenizer = config.load()
     sparse = config.sparse_config()
-    backend = config.backend(config, model, tokenizer, config.max_batch_size)
+    backend = config.make_backend(config, model, tokenizer, config.max_batch_size)
     meta = {
         "model": config.model, "adapter": config.adapter, "prompts_file": config.prompts,
         "prompts_hash": prompts_hash(prompts),

@@ -21,11 +21,12 @@ from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
 from .distill import DistillConfig
+from sparrow.rollout.factory import BACKENDS
+
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
 MONITORS = ("exact", "bounds")
 NON_FINITE_ACTIONS = ("skip", "stop")
-BACKENDS = ("native",)
 ANSWER_REWARDS = ("math", "first_number", "number_f1")
 
 
@@ -227,6 +228,9 @@ class RolloutSection:
 
     def validate(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "vllm" and (self.workers or self.ray_address is not None):
+            raise SparrowError("--backend vllm runs one vLLM engine in this process; Ray rollout workers "
+                               "(--rollout-workers, --ray-address) hold native engines: use one or the other")
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
         check_int("rollout_workers", self.workers, 0)

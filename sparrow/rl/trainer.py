@@ -55,7 +55,7 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     spec = ModelSpec(config.model.name, config.model.dtype, config.model.device, config.parsed.sparse,
                      rollout.max_batch_size, distill=config.distill if config.distill.enabled else None)
     backend = create_backend(model, tokenizer, spec, rollout.workers, rollout.ray_address, log=log,
-                             wire_dtype=rollout.wire_dtype)
+                             wire_dtype=rollout.wire_dtype, backend=rollout.backend)
     return policy, backend, tokenizer
 
 

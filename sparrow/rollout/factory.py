@@ -74,19 +74,47 @@ class ModelSpec:
         return model.eval(), tokenizer
 
 
-def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_address: str | None = None, log=print,
-                   *, cpus_per_worker: int | None = None, wire_dtype: str | None = None) -> RolloutBackend:
-    """The rollout backend for `--rollout-workers N` / `--ray-address ADDR`.
+BACKENDS = ("native", "vllm")
 
-    workers 0 and no address: `NativeBackend` on `model` itself (Ray is not imported). Otherwise a
+
+def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_address: str | None = None, log=print,
+                   *, cpus_per_worker: int | None = None, wire_dtype: str | None = None,
+                   backend: str = "native") -> RolloutBackend:
+    """The rollout backend for `--backend` / `--rollout-workers N` / `--ray-address ADDR`.
+
+    backend vllm: a `VLLMBackend` in this process on the model's Hugging Face directory, synced to `model`.
+    native with workers 0 and no address: `NativeBackend` on `model` itself (Ray is not imported). Otherwise a
     `RayRolloutBackend` with `workers` actors (1 when only an address is given), each starting from `spec` and
     synced to `model`'s weights before this returns; see ray_backend.py for `cpus_per_worker` and `wire_dtype`.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise SparrowError(f"rollout_workers must be an integer >= 0 (0: rollouts in this process), got {workers!r}")
+    if backend not in BACKENDS:
+        raise SparrowError(f"unknown rollout backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "vllm":
+        return _vllm_backend(model, tokenizer, spec, workers, ray_address, log)
     if workers == 0 and ray_address is None:
         return NativeBackend(model, tokenizer, spec.sparse, spec.max_batch_size)
     from .ray_backend import RayRolloutBackend
 
     return RayRolloutBackend(model, tokenizer, spec, max(workers, 1), ray_address, log=log,
                              cpus_per_worker=cpus_per_worker, wire_dtype=wire_dtype)
+
+
+def _vllm_backend(model, tokenizer, spec: ModelSpec, workers: int, ray_address: str | None, log) -> RolloutBackend:
+    """A vLLM engine for `spec`, refusing what it cannot do with one message before it starts."""
+    if workers or ray_address is not None:
+        raise SparrowError("--backend vllm runs one vLLM engine in this process; Ray rollout workers "
+                           "(--rollout-workers, --ray-address) hold native engines: use one or the other")
+    if spec.distill is not None or spec.adapter is not None:
+        raise SparrowError("--backend vllm cannot put a LoRA adapter in the sparse actor only (DistillSparse, "
+                           "--adapter): use --backend native for runs with an adapter")
+    if spec.device not in ("cpu", "auto"):
+        raise SparrowError(f"--backend vllm runs on the CPU build of vLLM here, not on device {spec.device!r}")
+    from sparrow.rollout.vllm_backend import VLLMBackend, model_directory
+
+    directory = model_directory(spec.model)
+    backend = VLLMBackend(directory, tokenizer, spec.sparse, dtype=spec.dtype,
+                          max_model_len=model.config.max_position_embeddings, log=log)
+    backend.sync_weights(model)
+    return backend

@@ -57,6 +57,15 @@ def check_head_size(model_dir: Path) -> None:
                            f"({', '.join(map(str, sizes))})")
 
 
+def kv_cache_gib_for(model_dir: Path, tokens: int, dtype: str) -> int:
+    """Whole GiB of vLLM KV cache holding `tokens` tokens of the model in `model_dir`, with a quarter to spare."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_token = 2 * kv_heads * head * config["num_hidden_layers"] * torch.finfo(getattr(torch, dtype)).bits // 8
+    return max(1, -(-tokens * per_token * 5 // 4 // 2**30))
+
+
 def request_seed(seed: int, key: int, sample_index: int) -> int:
     """vLLM's per-request seed for sample `sample_index` of the prompt keyed `key`: a function of the three only."""
     state = np.random.SeedSequence(seed, spawn_key=(key, sample_index)).generate_state(1, np.uint64)[0]
@@ -76,24 +85,29 @@ class VLLMBackend:
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer, sparse: SparseConfig | None = None,
                  dtype: str = "float32", max_model_len: int = 8192, kv_cache_gib: int = 2,
-                 num_logprobs: int = 20, seed: int = 0, log=print):
+                 num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print):
         check_vllm()
         check_head_size(Path(model_dir))
         self.sparse = sparse or SparseConfig()
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_model_len = max_model_len
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(check_int("kv_cache_gib", kv_cache_gib, 1)),
-               **plugin_config.environment_for(self.sparse)}
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its log goes to stdout
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": str(check_int("kv_cache_gib", kv_cache_gib, 1))}
+        self.plugin = plugin
+        if plugin:
+            env.update(plugin_config.environment_for(self.sparse))
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"  # vLLM's default leaves cores idle
         os.environ.update(env)
-        from sparrow.vllm import plugin
+        if plugin:
+            from sparrow.vllm.plugin import register
 
-        plugin.register()  # vLLM runs plugins once per process: register here in case it already did
+            register()  # vLLM runs plugins once per process: register here in case it already did
         from vllm import LLM
 
-        log(f"starting vLLM on {model_dir} (eager mode, {dtype})")
+        log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'})")
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                            logprobs_mode="processed_logprobs", max_logprobs=max(num_logprobs, 20), seed=seed,
@@ -125,7 +139,10 @@ class VLLMBackend:
                 raise SparrowError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens "
                                    f"{sampling.max_new_tokens} it exceeds the vLLM engine's max_model_len "
                                    f"{self.max_model_len}")
-        plugin_config.set_schedule(schedule)
+        if self.plugin:
+            plugin_config.set_schedule(schedule)
+        elif not schedule.is_dense:
+            raise SparrowError(f"this vLLM engine runs without Sparrow's plugin: schedule {schedule.name!r} needs it")
         seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         requests, params, completions = [], [], []
         for i, ids in enumerate(encoded):
@@ -164,7 +181,8 @@ class VLLMBackend:
 
     def close(self) -> None:
         self.llm = None
-        plugin_config.activate(None)
+        if self.plugin:
+            plugin_config.activate(None)
 
 
 def model_directory(model: str) -> Path:

@@ -2,7 +2,9 @@
 
 vLLM runs general plugins in every process it starts (the API server, the engine core, each worker), so this
 reads the environment, refuses a bad configuration with one message, and registers Sparrow's attention backend
-over vLLM's own for the platform.
+over the one vLLM picks for the platform: CPU_ATTN on CPU; on CUDA the backends vLLM selects by default
+(FlashAttention; FlashInfer on Blackwell; Triton as fallback), so that nothing has to be passed to `LLM(...)`.
+The CUDA path has not run on a GPU yet (scripts/vllm_device_check.py checks it on a lent machine).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from .config import activate, from_environment
 
 CPU_BACKEND = "sparrow.vllm.cpu_attention.SparrowCPUAttentionBackend"
+CUDA_BACKEND = "sparrow.vllm.cuda_attention.SparrowTritonAttentionBackend"
 
 
 def register() -> None:
@@ -24,6 +27,10 @@ def register() -> None:
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    elif current_platform.is_cuda():
+        for member in (AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.FLASHINFER,
+                       AttentionBackendEnum.TRITON_ATTN):
+            register_backend(member, CUDA_BACKEND)
     else:
-        raise SparrowError(f"Sparrow's vLLM plugin supports the CPU platform here, not "
-                           f"{current_platform.device_name!r}; unset SPARROW_VLLM_SCHEDULE to run stock vLLM")
+        raise SparrowError(f"Sparrow's vLLM plugin supports CPU and CUDA, not {current_platform.device_name!r}; "
+                           "unset SPARROW_VLLM_SCHEDULE to run stock vLLM")
