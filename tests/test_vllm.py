@@ -154,13 +154,14 @@ def _save_tiny(path, architecture: str):
 
 
 @functools.cache
-def _backend(architecture: str, landmark: str):
+def _backend(architecture: str, landmark: str, **engine_args):
     from sparrow.models import load_model
     from sparrow.rollout.vllm_backend import VLLMBackend
 
     path = _save_tiny(f"{_tmp()}/tiny-{architecture}", architecture)
     model, tok = load_model(path)
-    return VLLMBackend(path, tok, SparseConfig(landmark=landmark), max_model_len=2048, kv_cache_gib=1), model, tok
+    return VLLMBackend(path, tok, SparseConfig(landmark=landmark), max_model_len=2048, kv_cache_gib=1,
+                       **engine_args), model, tok
 
 
 @functools.cache
@@ -285,6 +286,22 @@ def test_quest_landmarks_and_qwen3_q_k_norms_teacher_force_to_the_same_log_probs
         assert share >= 0.99
     finally:
         backend.close()
+
+
+def test_chunked_prefill_and_mixed_prefill_decode_batches_give_our_engines_rollouts():
+    """At most 96 tokens per engine step: long prompts are prefilled in chunks while other requests decode."""
+    _backend.cache_clear()
+    backend, model, tok = _backend("llama", "centroid", max_num_batched_tokens=96, max_num_seqs=4,
+                                   enable_chunked_prefill=True)
+    try:
+        ours = RolloutEngine(model, tok, SparseConfig()).generate(PROMPTS, GREEDY, const(64))
+        theirs = backend.generate(PROMPTS, GREEDY, const(64))
+        for a, b in zip(ours, theirs):
+            assert b.token_ids == a.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+    finally:
+        backend.close()
+        _backend.cache_clear()
 
 
 def test_grpo_steps_with_the_vllm_backend_sync_weights_and_train(tmp_path):

@@ -81,11 +81,12 @@ def token_budgets(schedule: Schedule, prompt_length: int, count: int) -> list[in
 
 
 class VLLMBackend:
-    """Rollouts from vLLM with Sparrow's sparse decode; `model_dir` is a Hugging Face directory vLLM can load."""
+    """Rollouts from vLLM with Sparrow's sparse decode; `model_dir` is a Hugging Face directory vLLM can load.
+    `engine_args` go to `vllm.LLM` as they are (e.g. max_num_batched_tokens, to force chunked prefill)."""
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer, sparse: SparseConfig | None = None,
                  dtype: str = "float32", max_model_len: int = 8192, kv_cache_gib: int = 2,
-                 num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print):
+                 num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print, **engine_args):
         check_vllm()
         check_head_size(Path(model_dir))
         self.sparse = sparse or SparseConfig()
@@ -110,8 +111,8 @@ class VLLMBackend:
         log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'})")
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-                           logprobs_mode="processed_logprobs", max_logprobs=max(num_logprobs, 20), seed=seed,
-                           enable_prefix_caching=True)
+                           logprobs_mode="processed_logprobs", max_logprobs=max(num_logprobs, 256), seed=seed,
+                           enable_prefix_caching=True, **engine_args)
         except SparrowError:
             raise
         except Exception as err:
@@ -154,6 +155,9 @@ class VLLMBackend:
                     max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
                     ignore_eos=sampling.ignore_eos, logprobs=sampling.num_logprobs,
                     seed=request_seed(seed, keys[i], s)))
+        if num_samples > 1:  # prefill each prompt once: samples submitted together would each compute it
+            self.llm.generate([{"prompt_token_ids": ids} for ids in encoded],
+                              VSamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         outputs = self.llm.generate(requests, params, use_tqdm=progress)
         for completion, output in zip(completions, outputs):
             self._fill(completion, output.outputs[0], sampling, schedule)
