@@ -93,6 +93,7 @@ class VLLMBackend:
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_model_len = max_model_len
+        self.log = log
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its log goes to stdout
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_KVCACHE_SPACE": str(check_int("kv_cache_gib", kv_cache_gib, 1))}
@@ -140,6 +141,7 @@ class VLLMBackend:
                 raise SparrowError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens "
                                    f"{sampling.max_new_tokens} it exceeds the vLLM engine's max_model_len "
                                    f"{self.max_model_len}")
+        self._warn_if_preemptible(sum(len(ids) + sampling.max_new_tokens for ids in encoded) * num_samples)
         if self.plugin:
             plugin_config.set_schedule(schedule)
         elif not schedule.is_dense:
@@ -162,6 +164,15 @@ class VLLMBackend:
         for completion, output in zip(completions, outputs):
             self._fill(completion, output.outputs[0], sampling, schedule)
         return completions
+
+    def _warn_if_preemptible(self, tokens: int) -> None:
+        """Say so when the call may not fit vLLM's KV cache: vLLM then preempts requests and recomputes them as
+        prefill, so the KV of their generated tokens is recomputed densely, not as the sparse decode made it."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        capacity = (cache.num_gpu_blocks or 0) * cache.block_size
+        if self.plugin and capacity and tokens > capacity:
+            self.log(f"vLLM backend: this call needs up to {tokens} KV tokens and the cache holds {capacity}; "
+                     "preempted requests continue from a dense recompute of their tokens (raise kv_cache_gib)")
 
     def _fill(self, completion: Completion, out, sampling: SamplingParams, schedule: Schedule) -> None:
         completion.token_ids = list(out.token_ids)
