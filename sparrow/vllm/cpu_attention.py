@@ -32,7 +32,7 @@ from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 
 from .config import active
-from .paged import PageLandmarks, decode_budget_pages, filled_pages, physical_pages, reference_decode
+from .paged import PageLandmarks, filled_pages, physical_pages, reference_decode, split_step
 
 # ISAs whose key layout is channel-major per (block, head); the plugin asks vLLM for one of them.
 _READABLE_ISAS = ("vec", "vec16")
@@ -118,23 +118,16 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _plan(self, config, cm: CommonAttentionMetadata, meta: CPUAttentionMetadata) -> SparsePlan | None:
         ps = config.sparse.page_size
-        reqs = cm.num_reqs
-        starts = cm.query_start_loc_cpu[: reqs + 1].long()
-        query_lens = starts[1:] - starts[:-1]
-        seq_lens = cm.seq_lens[:reqs].cpu().long()
-        decoding = query_lens == 1
-        if cm.is_prefilling is not None:
-            decoding &= ~cm.is_prefilling[:reqs].cpu().bool()
-        n_pages, budget = decode_budget_pages(config.schedule, seq_lens, ps)
-        is_sparse = decoding & (budget < n_pages)
-        rows = torch.nonzero(is_sparse).flatten()
+        step = split_step(cm.query_start_loc_cpu, cm.seq_lens, cm.is_prefilling, cm.num_reqs, config.schedule, ps)
+        rows = torch.nonzero(step.is_sparse).flatten()
         if not rows.numel():
             return None
-        block_table = cm.block_table_tensor[:reqs]
-        phys = physical_pages(block_table[rows], int(n_pages[rows].max()), self.block_size, ps)
-        others = torch.nonzero(~is_sparse).flatten()
-        stock = self._stock_part(others, starts, query_lens, cm, meta) if others.numel() else None
-        return SparsePlan(starts[rows], phys, seq_lens[rows], n_pages[rows], budget[rows], stock)
+        block_table = cm.block_table_tensor[: cm.num_reqs]
+        phys = physical_pages(block_table[rows], int(step.n_pages[rows].max()), self.block_size, ps)
+        others = torch.nonzero(~step.is_sparse).flatten()
+        stock = self._stock_part(others, step.starts, step.query_lens, cm, meta) if others.numel() else None
+        return SparsePlan(step.starts[rows], phys, step.seq_lens[rows], step.n_pages[rows], step.budget_pages[rows],
+                          stock)
 
     def _stock_part(self, rows, starts, query_lens, cm, meta) -> StockPart:
         tokens = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in rows.tolist()])

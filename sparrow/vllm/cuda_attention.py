@@ -31,7 +31,7 @@ from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 
 from .config import PluginConfig, active
-from .paged import PageLandmarks, decode_budget_pages, filled_pages, physical_pages
+from .paged import PageLandmarks, filled_pages, physical_pages, split_step
 from .triton_decode import page_reader, sparse_decode
 
 
@@ -68,15 +68,9 @@ def sparse_plan(config: PluginConfig, cm: CommonAttentionMetadata, meta: TritonA
     if meta.mm_prefix_range_tensor is not None or meta.causal is not True:
         return None
     ps = config.sparse.page_size
-    reqs = cm.num_reqs
-    starts = cm.query_start_loc_cpu[: reqs + 1].long()
-    query_lens = starts[1:] - starts[:-1]
-    seq_lens = cm.seq_lens[:reqs].cpu().long()
-    decoding = query_lens == 1
-    if cm.is_prefilling is not None:
-        decoding &= ~cm.is_prefilling[:reqs].cpu().bool()
-    n_pages, budget = decode_budget_pages(config.schedule, seq_lens, ps)
-    is_sparse = decoding & (budget < n_pages)
+    step = split_step(cm.query_start_loc_cpu, cm.seq_lens, cm.is_prefilling, cm.num_reqs, config.schedule, ps)
+    starts, query_lens, seq_lens, n_pages, budget, is_sparse = (step.starts, step.query_lens, step.seq_lens,
+                                                                step.n_pages, step.budget_pages, step.is_sparse)
     rows = torch.nonzero(is_sparse).flatten()
     if not rows.numel():
         return None

@@ -11,6 +11,7 @@ A layout is a pair of functions reading (keys, values) of physical pages from a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,33 @@ def decode_budget_pages(schedule: Schedule, seq_lens: torch.Tensor, page_size: i
     if schedule.is_dense:
         return n_pages, n_pages
     return n_pages, schedule.budget_for(seq_lens) // page_size
+
+
+@dataclass
+class StepSplit:
+    """A step's requests as the plugin sees them: query starts [R + 1] and lengths [R], cached lengths [R]
+    (counting the tokens of this step), pages held, budget in pages, and which decode sparsely, all on the CPU."""
+
+    starts: torch.Tensor
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    n_pages: torch.Tensor
+    budget_pages: torch.Tensor
+    is_sparse: torch.Tensor
+
+
+def split_step(query_start_loc_cpu: torch.Tensor, seq_lens: torch.Tensor, is_prefilling: torch.Tensor | None,
+               num_reqs: int, schedule: Schedule, page_size: int) -> StepSplit:
+    """Which requests of a vLLM step decode sparsely: one query token, past the prompt (`is_prefilling` False, so
+    a one-token prompt tail left by prefix caching is prefill) and a budget below the pages held."""
+    starts = query_start_loc_cpu[: num_reqs + 1].long()
+    query_lens = starts[1:] - starts[:-1]
+    cached = seq_lens[:num_reqs].cpu().long()
+    decoding = query_lens == 1
+    if is_prefilling is not None:
+        decoding &= ~is_prefilling[:num_reqs].cpu().bool()
+    n_pages, budget = decode_budget_pages(schedule, cached, page_size)
+    return StepSplit(starts, query_lens, cached, n_pages, budget, decoding & (budget < n_pages))
 
 
 def filled_pages(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
