@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~2K-token prompts,
 # answers of ~100-160 tokens), sparse rollouts at the calibrated schedule vs dense rollouts, then one report
-# comparing them (reward, length, tail acceptance per bin, time per phase). About 25 minutes on 2 CPU cores.
+# comparing them (reward, length, tail acceptance per bin, time per phase). About 16 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
