@@ -77,7 +77,7 @@ def _time_hf(model, prompt: torch.Tensor, batch: int, steps: int, repeats: int) 
         prefilled = out.past_key_values
         prefilled.batch_repeat_interleave(batch)
         ids = prompt.expand(batch, -1)
-        kwargs = dict(do_sample=False, min_new_tokens=steps, max_new_tokens=steps, pad_token_id=0)
+        kwargs = {"do_sample": False, "min_new_tokens": steps, "max_new_tokens": steps, "pad_token_id": 0}
         model.generate(ids, past_key_values=copy.deepcopy(prefilled), **{**kwargs, "min_new_tokens": 2,
                                                                           "max_new_tokens": 2})
         times = []

@@ -36,3 +36,24 @@ def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:
 def random_prompts(lengths, vocab=250, seed=0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def save_tiny_for_vllm(path, architecture: str = "llama"):
+    """A tiny random Llama or Qwen3 with head size 32 (vLLM's CPU backend refuses our usual 16) and the byte-level
+    chat tokenizer, saved as a Hugging Face directory at `path`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from sparrow.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    shape = {"vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "max_position_embeddings": 4096,
+             "tie_word_embeddings": False, "initializer_range": 0.1, "eos_token_id": tok.eos_token_id,
+             "pad_token_id": tok.pad_token_id, "bos_token_id": None}
+    config = (LlamaConfig if architecture == "llama" else Qwen3Config)(**shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

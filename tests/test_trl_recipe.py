@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.conftest import save_tiny_for_vllm
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
@@ -17,28 +18,9 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _save_tiny(path):
-    """A tiny random Llama with Sparrow's byte-level chat tokenizer (as tests/test_vllm.py builds it)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from sparrow.models import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=4096,
-                         tie_word_embeddings=False, initializer_range=0.1, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow
 def test_one_grpo_step_runs_with_sparse_vllm_rollouts_and_trls_importance_sampling(tmp_path):
-    model = _save_tiny(tmp_path / "tiny-llama")
+    model = save_tiny_for_vllm(tmp_path / "tiny-llama")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARROW_VLLM_")}
     env.update(SPARROW_VLLM_DENSE_LAYERS="0,1", PYTHONPATH=str(ROOT))
     run = subprocess.run(

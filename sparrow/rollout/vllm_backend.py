@@ -39,7 +39,7 @@ def check_vllm() -> None:
     """A SparrowError saying how to install vLLM when it cannot be imported here."""
     try:
         import vllm  # noqa: F401
-    except Exception as err:  # a broken install fails with all sorts of errors, not only ImportError
+    except Exception as err:  # noqa: BLE001 - a broken install fails with all sorts of errors, not only ImportError
         raise SparrowError(f"--backend vllm needs vLLM, which cannot be imported here ({type(err).__name__}: "
                            f"{str(err).splitlines()[0] if str(err) else ''}); install it with: {INSTALL_HINT}") \
             from None
@@ -116,7 +116,7 @@ class VLLMBackend:
                            enable_prefix_caching=True, **engine_args)
         except SparrowError:
             raise
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - vLLM's start-up raises many types; the cause chain may be ours
             cause = err
             while cause.__cause__ is not None and not isinstance(cause, SparrowError):
                 cause = cause.__cause__

@@ -112,7 +112,7 @@ def reference_decode(queries: torch.Tensor, read_pages: PageReader, phys: torch.
     phys [R, P]: physical pages of each request's pages (P: the most any request holds); seq_lens [R]: cached
     tokens including the new one; budget_pages [R]. Every page is read, then masked to the selected ones.
     """
-    requests, kv_heads, group, dim = queries.shape
+    requests, kv_heads, _, dim = queries.shape
     ps = sparse.page_size
     n_pages = (seq_lens.long() + ps - 1) // ps
     marks = [m.to(queries.dtype) for m in landmarks.gather(phys)]
