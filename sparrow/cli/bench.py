@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sparrow.bench import machine_info, run_benchmark, run_vllm_benchmark
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
+from sparrow.rollout.factory import check_backend
 
 from .common import MODEL_HELP, ModelOptions
 from .config import add_config_options, load_config
@@ -35,8 +36,7 @@ class BenchConfig(ModelOptions):
                 raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0 or self.seed < 0:
             raise SparrowError(f"warmup and seed must be >= 0, got {self.warmup} and {self.seed}")
-        if self.backend not in ("native", "vllm"):
-            raise SparrowError(f"unknown backend {self.backend!r}: expected native or vllm")
+        check_backend(self.backend, 0, None)
         if self.backend == "vllm" and self.steps < 2:
             raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
         if self.parsed_schedule().is_dense:

@@ -83,12 +83,11 @@ class RolloutOptions:
     ray_address: str | None = None
 
     def validate(self) -> None:
-        from sparrow.rollout.factory import BACKENDS
+        from sparrow.rollout.factory import check_backend
 
         if isinstance(self.rollout_workers, bool) or self.rollout_workers < 0:
             raise SparrowError(f"rollout_workers must be an integer >= 0, got {self.rollout_workers!r}")
-        if self.backend not in BACKENDS:
-            raise SparrowError(f"unknown rollout backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        check_backend(self.backend, self.rollout_workers, self.ray_address)
 
     def make_backend(self, options: ModelOptions, model, tokenizer, max_batch_size: int = 64):
         """The rollout backend for `model` (see sparrow.rollout.factory)."""

@@ -99,7 +99,7 @@ class RolloutEngine:
 
     def budgets(self, schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
         """KV budget in tokens for rows with `total` cached tokens (the cached length itself when dense)."""
-        return total.clone() if schedule.is_dense else schedule.budget_for(total)
+        return kv_budgets(schedule, total)
 
     @torch.no_grad()
     def decode_step(self, cache: KVCache, tokens: torch.Tensor,
@@ -205,6 +205,12 @@ class RolloutEngine:
 
     def _final_text(self, seq: Completion, sampling: SamplingParams) -> str:
         return final_text(self.tokenizer, seq.token_ids, sampling.stop)
+
+
+def kv_budgets(schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
+    """The KV budget a decode step records for rows with `total` cached tokens (counting the new one): the
+    schedule's budget, or the cached length itself when dense."""
+    return total.clone() if schedule.is_dense else schedule.budget_for(total)
 
 
 def final_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> str:

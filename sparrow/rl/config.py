@@ -21,7 +21,7 @@ from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
 from .distill import DistillConfig
-from sparrow.rollout.factory import BACKENDS
+from sparrow.rollout.factory import check_backend
 
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
@@ -227,10 +227,7 @@ class RolloutSection:
     max_batch_size: int = 64
 
     def validate(self) -> None:
-        _check_choice("backend", self.backend, BACKENDS)
-        if self.backend == "vllm" and (self.workers or self.ray_address is not None):
-            raise SparrowError("--backend vllm runs one vLLM engine in this process; Ray rollout workers "
-                               "(--rollout-workers, --ray-address) hold native engines: use one or the other")
+        check_backend(self.backend, self.workers, self.ray_address)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
         check_int("rollout_workers", self.workers, 0)

@@ -77,6 +77,15 @@ class ModelSpec:
 BACKENDS = ("native", "vllm")
 
 
+def check_backend(backend: str, workers: int, ray_address: str | None) -> None:
+    """Refuse an unknown backend, or vLLM together with Ray workers, with one message."""
+    if backend not in BACKENDS:
+        raise SparrowError(f"unknown rollout backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "vllm" and (workers or ray_address is not None):
+        raise SparrowError("--backend vllm runs one vLLM engine in this process; Ray rollout workers "
+                           "(--rollout-workers, --ray-address) hold native engines: use one or the other")
+
+
 def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_address: str | None = None, log=print,
                    *, cpus_per_worker: int | None = None, wire_dtype: str | None = None,
                    backend: str = "native") -> RolloutBackend:
@@ -89,10 +98,9 @@ def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_addr
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise SparrowError(f"rollout_workers must be an integer >= 0 (0: rollouts in this process), got {workers!r}")
-    if backend not in BACKENDS:
-        raise SparrowError(f"unknown rollout backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    check_backend(backend, workers, ray_address)
     if backend == "vllm":
-        return _vllm_backend(model, tokenizer, spec, workers, ray_address, log)
+        return _vllm_backend(model, tokenizer, spec, log)
     if workers == 0 and ray_address is None:
         return NativeBackend(model, tokenizer, spec.sparse, spec.max_batch_size)
     from .ray_backend import RayRolloutBackend
@@ -101,11 +109,8 @@ def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_addr
                              cpus_per_worker=cpus_per_worker, wire_dtype=wire_dtype)
 
 
-def _vllm_backend(model, tokenizer, spec: ModelSpec, workers: int, ray_address: str | None, log) -> RolloutBackend:
+def _vllm_backend(model, tokenizer, spec: ModelSpec, log) -> RolloutBackend:
     """A vLLM engine for `spec`, refusing what it cannot do with one message before it starts."""
-    if workers or ray_address is not None:
-        raise SparrowError("--backend vllm runs one vLLM engine in this process; Ray rollout workers "
-                           "(--rollout-workers, --ray-address) hold native engines: use one or the other")
     if spec.distill is not None or spec.adapter is not None:
         raise SparrowError("--backend vllm cannot put a LoRA adapter in the sparse actor only (DistillSparse, "
                            "--adapter): use --backend native for runs with an adapter")

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,8 +25,9 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
-from sparrow.engine.engine import check_prompt_keys, final_text
+from sparrow.engine.engine import check_prompt_keys, final_text, kv_budgets
 from sparrow.errors import SparrowError
+from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int
 from sparrow.vllm import config as plugin_config
@@ -49,8 +49,7 @@ def check_head_size(model_dir: Path) -> None:
     """Refuse, before vLLM starts, a model whose attention head size vLLM's CPU backend does not take."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    config = json.loads((model_dir / "config.json").read_text())
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head = model_dims(str(model_dir)).head_dim
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if head not in sizes:
         raise SparrowError(f"{model_dir}: attention head size {head} is not one vLLM's CPU backend supports "
@@ -59,10 +58,8 @@ def check_head_size(model_dir: Path) -> None:
 
 def kv_cache_gib_for(model_dir: Path, tokens: int, dtype: str) -> int:
     """Whole GiB of vLLM KV cache holding `tokens` tokens of the model in `model_dir`, with a quarter to spare."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    per_token = 2 * kv_heads * head * config["num_hidden_layers"] * torch.finfo(getattr(torch, dtype)).bits // 8
+    dims = model_dims(str(model_dir))
+    per_token = 2 * dims.kv_heads * dims.head_dim * dims.layers * torch.finfo(getattr(torch, dtype)).bits // 8
     return max(1, -(-tokens * per_token * 5 // 4 // 2**30))
 
 
@@ -75,9 +72,9 @@ def request_seed(seed: int, key: int, sample_index: int) -> int:
 def token_budgets(schedule: Schedule, prompt_length: int, count: int) -> list[int]:
     """KV budget of each of `count` generated tokens: the prompt length for the first (dense prefill), then the
     schedule's budget at the cached length (the cached length itself when dense), as `RolloutEngine` records."""
-    totals = range(prompt_length + 1, prompt_length + count)
-    rest = list(totals) if schedule.is_dense else [schedule.budget_at(t) for t in totals]
-    return [prompt_length] + rest if count else []
+    if not count:
+        return []
+    return [prompt_length] + kv_budgets(schedule, torch.arange(prompt_length + 1, prompt_length + count)).tolist()
 
 
 class VLLMBackend:
