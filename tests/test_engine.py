@@ -145,3 +145,18 @@ def test_records_per_token_have_one_entry_per_generated_token(llama):
         assert tops == sorted(tops, reverse=True) and lp <= tops[0] + 1e-6
     dense = engine.generate(random_prompts([70]), SamplingParams(max_new_tokens=3, seed=0), DENSE)[0]
     assert dense.kv_budget == [70, 71, 72][: len(dense.token_ids)]
+
+
+def test_timing_says_where_a_generate_call_spent_its_time(llama):
+    import time
+
+    engine = RolloutEngine(*llama)
+    sampling = SamplingParams(max_new_tokens=10, seed=0, ignore_eos=True)
+    began = time.perf_counter()
+    engine.generate(random_prompts([40, 60]), sampling, const(48), num_samples=2)
+    wall = time.perf_counter() - began
+    first = dict(engine.timing)
+    assert set(first) == {"prefill", "decode", "sample"}
+    assert all(v > 0 for v in first.values()) and sum(first.values()) <= wall
+    engine.generate(random_prompts([40]), SamplingParams(max_new_tokens=2, seed=0, ignore_eos=True), num_samples=1)
+    assert engine.timing["decode"] < first["decode"]  # each call starts from zero: 1 decode step against 9 x 4 rows

@@ -144,9 +144,18 @@ def test_report_compares_runs_with_plots(data, tmp_path):
     assert main(["report", str(tmp_path / "sparse"), str(tmp_path / "dense"), "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "report.md").read_text()
     assert "| sparse | 2 |" in text and "| dense | 2 |" in text
-    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
-    assert rows["sparse"].endswith("| 1.00x |") and "rollout speed vs sparse" in text  # the first run is the base
-    assert re.search(r"\| \d+\.\d\dx \|$", rows["dense"])
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), []).append(line)
+    assert rows["sparse"][0].endswith("| 1.00x |") and "rollout speed vs sparse" in text  # the first run is the base
+    assert re.search(r"\| \d+\.\d\dx \|$", rows["dense"][0])
+    assert "Where the rollout time goes" in text  # prefill, decode, sample, other, monitor (dense runs none)
+    assert re.fullmatch(r"\| sparse( \| -?\d+\.\d\d){5} \|", rows["sparse"][1])
+    assert rows["dense"][1].endswith("| - |")
+    for row in map(json.loads, (tmp_path / "sparse" / "metrics.jsonl").read_text().splitlines()):
+        parts = [row[f"time/rollout_{p}_s"] for p in ("prefill", "decode", "sample")]
+        assert all(v > 0 for v in parts) and sum(parts) <= row["time/rollout_s"]
     for plot in ("curves.png", "mismatch.png", "phases.png"):
         assert (tmp_path / "r" / plot).stat().st_size > 1000
 

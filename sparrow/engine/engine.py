@@ -2,13 +2,16 @@
 
 The n samples of a prompt share one dense prefill whose keys/values are copied into their n rows. Decode then
 runs all live rows together; each row's budget comes from the schedule at its own cached length. Finished rows
-are dropped from the batch so that later steps only pay for live sequences.
+are dropped from the batch so that later steps only pay for live sequences. Each `generate` call leaves where its
+time went in `engine.timing` (prefill, decode forwards, sampling and bookkeeping), so a slow rollout phase can be
+attributed.
 """
 
 from __future__ import annotations
 
 import numbers
 import secrets
+import time
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +39,9 @@ from .sampling import (
 from .sequence import Completion
 
 
+TIMED_PHASES = ("prefill", "decode", "sample")  # dense prompt forwards; decode forwards; sampling and bookkeeping
+
+
 class RolloutEngine:
     """Generates rollouts with sparse attention from any transformers causal LM (optionally peft-wrapped).
     How far they drift from the dense policy is measured outside the engine (`sparrow.measure.acceptance`)."""
@@ -59,6 +65,12 @@ class RolloutEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.eos_ids = self._eos_ids()
+        self.timing = {phase: 0.0 for phase in TIMED_PHASES}
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -136,6 +148,7 @@ class RolloutEngine:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
+        self.timing = {phase: 0.0 for phase in TIMED_PHASES}
         per_wave = max(1, self.max_batch_size // num_samples)
         results: list[Completion] = []
         with tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
@@ -151,9 +164,11 @@ class RolloutEngine:
                        bar) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
         cache = self.new_cache(len(seqs), capacity)
+        clock = self._clock()
         logits = self._prefill_wave(cache, wave, encoded, num_samples)
         budget = cache.lengths.clone()
         live = list(seqs)
+        clock = self._lap("prefill", clock)
         while True:
             uniforms = None if sampling.greedy else draw_uniforms(streams, self.device)
             step = sample(logits, sampling, uniforms)
@@ -169,10 +184,18 @@ class RolloutEngine:
                 live = [live[r] for r in keep]
                 streams = [streams[r] for r in keep]
                 step.tokens = step.tokens.index_select(0, index)
+            clock = self._lap("sample", clock)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
+            clock = self._lap("decode", clock)
+        self._lap("sample", clock)
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs
+
+    def _lap(self, phase: str, since: float) -> float:
+        now = self._clock()
+        self.timing[phase] += now - since
+        return now
 
     def _prefill_wave(self, cache: KVCache, wave: list[int], encoded, num_samples: int) -> torch.Tensor:
         """Prefill each prompt of the wave into its `num_samples` rows; next-token logits per row [rows, V]."""

@@ -13,6 +13,7 @@ from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text, read_jsonl
 
 PHASES = ("rollout", "reward", "recompute", "update")
+ROLLOUT_PHASES = ("prefill", "decode", "sample")  # what the native engine reports of its rollout time
 
 
 def _is_number(value) -> bool:
@@ -31,6 +32,24 @@ def _read_rows(path: Path, required: tuple[str, ...]) -> list[dict]:
                 raise SparrowError(f"{path}:{number}: no number under {shown!r}; expected a row written by "
                                    "'sparrow train'")
     return [row for _, row in numbered]
+
+
+def _rollout_breakdown(runs: dict[str, list[dict]]) -> list[str]:
+    """Median seconds per step of the rollout phase's parts and of the exact monitor, for runs that logged them."""
+    logged = {name: rows for name, rows in runs.items()
+              if all(_is_number(r.get(f"time/rollout_{p}_s")) for r in rows for p in ROLLOUT_PHASES)}
+    if not logged:
+        return []
+    lines = ["", "Where the rollout time goes (median seconds per step; the monitor runs in the recompute phase):", "",
+             "| run | " + " | ".join(f"{p} s" for p in ROLLOUT_PHASES) + " | other rollout s | monitor s |",
+             "|---|" + "---|" * (len(ROLLOUT_PHASES) + 2)]
+    for name, rows in logged.items():
+        parts = [_median(rows, f"time/rollout_{p}_s") for p in ROLLOUT_PHASES]
+        other = median(r["time/rollout_s"] - sum(r[f"time/rollout_{p}_s"] for p in ROLLOUT_PHASES) for r in rows)
+        monitor = _median(rows, "time/monitor_s")
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in parts) + f" | {other:.2f} | "
+                     + ("-" if monitor != monitor else f"{monitor:.2f}") + " |")
+    return lines
 
 
 def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
@@ -147,6 +166,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
                      f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x |")
+    lines += _rollout_breakdown(runs)
     if evals:
         _plot_curves(evals, [("eval/mean", "held-out mean reward")], out_dir / "heldout.png", "Held-out reward")
         lines += ["", "Held-out reward (mean over samples) at the first and last evaluation:", ""]

@@ -110,6 +110,8 @@ def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int
     with _Clock(step, "rollout"):
         step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
                                             step.schedule, cfg.grpo.num_generations)
+    for phase, seconds in getattr(backend, "timing", {}).items():
+        step.timing[f"time/rollout_{phase}_s"] = seconds
 
 
 def score(step: StepBatch, reward_fns: list) -> None:

@@ -8,6 +8,9 @@ happens on the trainer's side from the returned `Completion`s, so a backend may 
 Randomness is per sequence: the samples of (sampling.seed, prompt key, sample index) are the same whatever the
 batch size, the other prompts in the call or the process that runs them. A prompt's key defaults to its index in
 the call; a caller that splits one call into several passes the original indices as `prompt_keys`.
+
+A backend may also have a `timing` attribute: seconds of its last `generate` call per phase (the native engine's
+prefill, decode and sample); the trainer logs it as `time/rollout_<phase>_s`.
 """
 
 from __future__ import annotations

@@ -42,6 +42,11 @@ class NativeBackend:
             return self.engine.generate(prompts, sampling, schedule, num_samples, progress=progress,
                                         prompt_keys=prompt_keys)
 
+    @property
+    def timing(self) -> dict[str, float]:
+        """Seconds of the last `generate` call per engine phase (prefill, decode, sample)."""
+        return dict(self.engine.timing)
+
     def sync_weights(self, model) -> None:
         if model is not self.engine.model:
             load_state(self.engine.model, model.state_dict())
