@@ -160,3 +160,32 @@ def test_timing_says_where_a_generate_call_spent_its_time(llama):
     assert all(v > 0 for v in first.values()) and sum(first.values()) <= wall
     engine.generate(random_prompts([40]), SamplingParams(max_new_tokens=2, seed=0, ignore_eos=True), num_samples=1)
     assert engine.timing["decode"] < first["decode"]  # each call starts from zero: 1 decode step against 9 x 4 rows
+
+
+def test_rows_that_finish_early_leave_the_others_unchanged(llama):
+    """Rows ending at different steps are compacted out of the cache in place (one row moved per finished row):
+    every other row's tokens and log-probs equal those of the same seeded run in which no row stops."""
+    model, tok = llama
+    engine = RolloutEngine(model, tok)
+    prompts = random_prompts([30, 55, 80], seed=5)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=3, ignore_eos=True), const(48),
+                           num_samples=3)
+    common = max({t for c in free for t in c.token_ids}, key=lambda t: sum(c.token_ids.count(t) for c in free))
+    engine.eos_ids = {common}
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=3), const(48), num_samples=3)
+    ends = []
+    for a, b in zip(free, stopped, strict=True):
+        end = a.token_ids.index(common) + 1 if common in a.token_ids else len(a.token_ids)
+        ends.append(end)
+        assert b.token_ids == a.token_ids[:end]
+        assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs[:end]), atol=1e-4)
+    assert len(set(ends)) >= 3  # rows really did finish at different steps
+
+
+def test_compaction_order_keeps_rows_in_place_and_fills_holes_from_above():
+    from sparrow.attention.kv_cache import compaction_order
+
+    assert compaction_order([0, 1, 2]) == [0, 1, 2]
+    assert compaction_order([0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert compaction_order([4, 5]) == [4, 5]
+    assert sorted(compaction_order([1, 3, 4, 6, 7])) == [1, 3, 4, 6, 7]

@@ -120,7 +120,23 @@ class KVCache:
                 store[step.filled, :, step.filled_pages] = mark
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Drop every row not in `rows` (finished sequences), compacting the batch."""
+        """Keep only `rows` (new row i is old row rows[i]), dropping finished sequences.
+
+        With an order from `compaction_order` the batch is compacted in place, one row copied per dropped row;
+        any other order copies every kept row into new memory.
+        """
+        order = rows.tolist()
+        count = len(order)
+        if all(r == i or r >= count for i, r in enumerate(order)):
+            moves = [(i, r) for i, r in enumerate(order) if r != i]
+            for tensor in [*self.keys, *self.values, *(m for lm in self.landmarks for m in lm), self.lengths]:
+                for i, r in moves:
+                    tensor[i].copy_(tensor[r])
+            self.keys = [k[:count] for k in self.keys]
+            self.values = [v[:count] for v in self.values]
+            self.landmarks = [[m[:count] for m in lm] for lm in self.landmarks]
+            self.lengths = self.lengths[:count]
+            return
         self.keys = [_select(k, rows) for k in self.keys]
         self.values = [_select(v, rows) for v in self.values]
         self.landmarks = [[m.index_select(0, rows) for m in lm] for lm in self.landmarks]
@@ -135,6 +151,18 @@ class KVCache:
         copy.landmarks = [[m.clone() for m in lm] for lm in self.landmarks]
         copy.lengths = self.lengths.clone()
         return copy
+
+
+def compaction_order(kept: list[int]) -> list[int]:
+    """The rows `kept` (ascending) in the order that `KVCache.keep` compacts in place: a kept row below
+    len(kept) stays where it is, and each dropped row below it is filled by a kept row from above."""
+    count = len(kept)
+    holes = sorted(set(range(count)) - set(kept))
+    movers = [r for r in kept if r >= count]
+    order = list(range(count))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    return order
 
 
 def _select(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
