@@ -155,6 +155,29 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
     assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*results))
 
 
+def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
+    """Recompute and monitor forwards without gradients may take a whole group (its prompt computed once) while the
+    update keeps its micro-batches: same log-probs, acceptance, loss and weights as pieces of 2 rows."""
+    import sparrow.rl.step as step_module
+
+    sizes, metrics, weights = [], [], []
+    real = step_module.shared_prompt_pieces
+    monkeypatch.setattr(step_module, "shared_prompt_pieces",
+                        lambda batch, rows, size: sizes.append(size) or real(batch, rows, size))
+    for log_prob in (None, 8):
+        policy, backend = _setup()
+        sizes.clear()
+        metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(64),
+                                 _cfg(micro_batch_size=2, mini_batches=1, log_prob_micro_batch_size=log_prob,
+                                      monitor="exact"), seed=0))
+        weights.append([p.detach().clone() for p in policy.model.parameters()])
+        assert sizes == [log_prob or 2, 2]  # recompute (and monitor) pieces, then the update's
+    assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6
+    for key in ("mismatch/exact/p5", "mismatch/exact/mean", "sampling/importance_sampling_ratio/mean"):
+        assert abs(metrics[0][key] - metrics[1][key]) < 1e-5, key
+    assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*weights))
+
+
 def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():
     policy, backend = _setup()
     cfg = _cfg(micro_batch_size=8, mini_batches=1, kl_coef=0.5)

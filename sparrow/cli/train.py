@@ -33,6 +33,9 @@ HELP = {
     "non_finite": "a mini-batch whose loss or gradient is not finite: skip its update (and say so) or stop the run",
     "monitor": "acceptance monitor: exact (teacher-forced sparse vs dense, full distributions) or bounds (top-K)",
     "monitor_every": "exact monitoring every N-th step",
+    "micro_batch_size": "rows per forward and backward of the update (gradients accumulated)",
+    "log_prob_micro_batch_size": "rows per forward without gradients (recompute, monitor, KL reference; default "
+                                 "--micro-batch-size): a whole group computes its prompt once",
     "monitor_share": "share of each step's prompt groups measured exactly (0 < share <= 1)",
     "backend": "rollout backend: native (our engine)",
     "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",

@@ -39,7 +39,6 @@ from .sampling import (
 )
 from .sequence import Completion
 
-
 TIMED_PHASES = ("prefill", "decode", "sample")  # dense prompt forwards; decode forwards; sampling and bookkeeping
 
 

@@ -139,6 +139,7 @@ class GRPOSection:
     loss_aggregation: str = "token-mean"
     mini_batches: int = 1
     micro_batch_size: int = 4
+    log_prob_micro_batch_size: int | None = None  # rows per no-grad forward (recompute, monitor); None: micro_batch_size
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     non_finite: str = "skip"
@@ -146,6 +147,8 @@ class GRPOSection:
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "mini_batches", "micro_batch_size"):
             check_int(name, getattr(self, name), 1)
+        if self.log_prob_micro_batch_size is not None:
+            check_int("log_prob_micro_batch_size", self.log_prob_micro_batch_size, 1)
         check_int("num_generations", self.num_generations, 2)  # one sample per group has zero advantage
         check_finite("learning_rate", self.learning_rate, 0, 1, low_open=True)
         check_finite("weight_decay", self.weight_decay, 0)

@@ -6,6 +6,7 @@ and a median keeps one slow step from deciding a comparison.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import median
 
@@ -48,7 +49,7 @@ def _rollout_breakdown(runs: dict[str, list[dict]]) -> list[str]:
         other = median(r["time/rollout_s"] - sum(r[f"time/rollout_{p}_s"] for p in ROLLOUT_PHASES) for r in rows)
         monitor = _median(rows, "time/monitor_s")
         lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in parts) + f" | {other:.2f} | "
-                     + ("-" if monitor != monitor else f"{monitor:.2f}") + " |")
+                     + ("-" if math.isnan(monitor) else f"{monitor:.2f}") + " |")
     return lines
 
 

@@ -30,14 +30,15 @@ LOCK_NAME = "run.lock"
 # Options that never change what a run computes: where it is and how it was started.
 IGNORED_OPTIONS = frozenset({"output_dir", "resume", "allow_changes"})
 # Options a resumed run may change under --allow-changes: how long it runs and what it keeps; where and in what
-# batches it computes (device, the rollout section); the held-out evaluation and the acceptance monitoring, which read
-# the policy without changing it; what to do on a non-finite update; the code-reward sandbox opt-in. Everything
-# else (model, data, seed, group shape, sampling, losses, optimizer, schedules, tau and bins, adapter) would make
-# the continued run a different one. A name matches an option of that name in any section (`steps` matches
-# `grpo.steps`), a dotted name exactly that option, and a section name the whole section (`eval` matches
-# `eval.every`).
+# batches it computes (device, the rollout section, the batch of the forwards without gradients); the held-out
+# evaluation and the acceptance monitoring, which read the policy without changing it; what to do on a non-finite
+# update; the code-reward sandbox opt-in. Everything else (model, data, seed, group shape, sampling, losses,
+# optimizer, schedules, tau and bins, adapter) would make the continued run a different one. A name matches an
+# option of that name in any section (`steps` matches `grpo.steps`), a dotted name exactly that option, and a
+# section name the whole section (`eval` matches `eval.every`).
 RESUMABLE_OPTIONS = frozenset({"steps", "save_every", "keep_last", "device", "rollout", "eval", "monitor.monitor",
-                               "monitor_every", "monitor_share", "non_finite", "unsafe_code_reward"})
+                               "monitor_every", "monitor_share", "non_finite", "unsafe_code_reward",
+                               "log_prob_micro_batch_size"})
 
 _STAGING = re.compile(r"^\.checkpoint-\d+\..+")  # save_checkpoint's temporary directories
 _ABSENT = object()

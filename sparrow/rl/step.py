@@ -99,8 +99,12 @@ class _Clock:
         self.step.timing[f"time/{self.name}_s"] = time.perf_counter() - self.began
 
 
-def _pieces(step: StepBatch, rows: torch.Tensor, cfg: StepConfig) -> list[torch.Tensor]:
-    return shared_prompt_pieces(step.batch, rows, cfg.grpo.micro_batch_size)
+def _pieces(step: StepBatch, rows: torch.Tensor, cfg: StepConfig, grad: bool = True) -> list[torch.Tensor]:
+    """Shared-prompt pieces of `rows`: `micro_batch_size` rows at most for the update, `log_prob_micro_batch_size`
+    for the forwards without gradients (a whole group there computes a long prompt once instead of per piece)."""
+    grpo = cfg.grpo
+    size = grpo.micro_batch_size if grad or grpo.log_prob_micro_batch_size is None else grpo.log_prob_micro_batch_size
+    return shared_prompt_pieces(step.batch, rows, size)
 
 
 # -- phases ---------------------------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     extra = {name: torch.full_like(batch.mask, float("nan")) for name in step.measure}
     monitored = _monitored(policy, step, cfg, number)
     monitor_s = 0.0
-    for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg):
+    for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg, grad=False):
         with torch.no_grad(), policy.dense():
             logits, span = piece_logits(policy.model, batch, piece)
         logp_old[piece] = piece_logprobs(logits, batch, piece, span, temperature)
@@ -178,7 +182,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
             raise SparrowError("kl_coef > 0 needs a reference model")
         step.logp_ref = torch.zeros_like(logp_old)
         with torch.no_grad():
-            for piece in _pieces(step, torch.arange(len(step.completions)), cfg):
+            for piece in _pieces(step, torch.arange(len(step.completions)), cfg, grad=False):
                 ref_logits, span = piece_logits(policy.reference, batch, piece)
                 step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, temperature)
     step.weights = tis_weights(logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
