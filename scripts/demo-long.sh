@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~2K-token prompts,
+# The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~4.5K-token prompts,
 # answers of ~100-160 tokens), sparse rollouts at the calibrated schedule vs dense rollouts, then one report
-# comparing them (reward, length, tail acceptance per bin, time per phase). About 16 minutes on 2 CPU cores.
+# comparing them (reward, length, tail acceptance per bin, time per phase). About 25 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,8 +9,8 @@ SPARROW=.venv/bin/sparrow
 OUT=${SPARROW_DEMO_DIR:-runs/demo-long}
 rm -rf "$OUT"
 mkdir -p "$OUT"
-$SPARROW prompts --task manifest --count 32 --min-tokens 2048 --seed 0 --out "$OUT/manifest-train.jsonl"
-echo "== GRPO on sparse rollouts (schedule calibrated for SmolLM2: 0:512, 3584:1024) =="
+$SPARROW prompts --task manifest --count 32 --min-tokens 4096 --seed 0 --out "$OUT/manifest-train.jsonl"
+echo "== GRPO on sparse rollouts (schedule calibrated on manifest prompts for tau 0.75: 0:2048) =="
 $SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/manifest-train.jsonl" --output-dir "$OUT/sparse"
 echo "== the same run on dense rollouts =="
 $SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/manifest-train.jsonl" --schedule dense \

@@ -69,3 +69,25 @@ def test_a_profile_binned_by_generated_position_is_refused():
     profile["meta"]["length_origin"] = "generated"
     with pytest.raises(SparrowError, match="total cached length"):
         calibrate(profile, 0.86)
+
+
+def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
+    """examples/smollm2-manifest.yaml's schedule is what `sparrow calibrate` picks from the committed manifest
+    profile at the config's tau with a 0.02 margin; without the margin 1024 tokens would do in the longer bin."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from sparrow.schedules import parse_schedule
+
+    profile = json.loads(Path("examples/manifest-profile.json").read_text())
+    config = yaml.safe_load(Path("examples/smollm2-manifest.yaml").read_text())
+    schedule, _ = calibrate(profile, config["monitor"]["tau"], margin=0.02)
+    shipped = parse_schedule(config["sparse"]["schedule"])
+    lengths = torch.arange(4096, 5120, 16)
+    assert torch.equal(schedule.budget_for(lengths), shipped.budget_for(lengths))
+    assert shipped.budget_for(torch.tensor([4700])).item() == 2048
+    _, choices = calibrate(profile, 0.75)
+    assert [c.budget for c in choices] == [2048, 1024]
