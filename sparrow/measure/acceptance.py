@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from tqdm.auto import tqdm
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
@@ -43,12 +44,15 @@ def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: 
 
 
 def teacher_forced_acceptance(model, completions: list[Completion], schedule: Schedule, sparse: SparseConfig,
-                              temperature: float, max_rows: int = 8, pad_id: int = 0) -> list[list[float]]:
-    """Per completion, the exact acceptance of each generated token under `schedule` against the dense policy."""
+                              temperature: float, max_rows: int = 8, pad_id: int = 0,
+                              progress: bool = False) -> list[list[float]]:
+    """Per completion, the exact acceptance of each generated token under `schedule` against the dense policy
+    (`progress`: a bar over the shared-prompt pieces, minutes on long prompts)."""
     device = next(model.parameters()).device
     batch = RolloutBatch.from_completions(completions, pad_id=pad_id).to(device)
     alpha = torch.zeros_like(batch.mask)
-    for piece in shared_prompt_pieces(batch, torch.arange(len(completions)), max_rows):
+    pieces = shared_prompt_pieces(batch, torch.arange(len(completions)), max_rows)
+    for piece in tqdm(pieces, desc="measuring", unit="group", disable=not progress):
         alpha[piece] = piece_acceptance(model, batch, piece, schedule, sparse, temperature)
     return [alpha[row][batch.mask[row].bool()].tolist() for row in range(len(completions))]
 

@@ -64,7 +64,7 @@ def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling
     by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without)."""
     completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress)
     temperature = 1.0 if sampling.greedy else sampling.temperature
-    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature)
+    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature, progress=progress)
     alpha, total, generated, budget = [], [], [], []
     for c, values in zip(completions, alphas):
         n = len(c.token_ids)
