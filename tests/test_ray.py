@@ -166,7 +166,7 @@ def test_grpo_steps_on_two_workers_equal_steps_in_one_process(pool):
     (ray_metrics, ray_state), (native_metrics, native_state) = runs
     for got, want in zip(ray_metrics, native_metrics):
         timing = {k for k in want if k.startswith("time/") or k == "rollout/tokens_per_s"}
-        assert set(got) >= set(want) and len(want) - len(timing) > 30
+        assert set(got) >= set(want) - timing and len(want) - len(timing) > 30  # the native engine adds its split
         assert {k: got[k] for k in want if k not in timing} == {k: v for k, v in want.items() if k not in timing}
     assert ray_metrics[0]["grad_norm"] > 0 and ray_metrics[1]["distill/loss"] != 0
     moved = [k for k in native_state if not torch.equal(native_state[k], model.state_dict()[k])]
