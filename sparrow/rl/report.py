@@ -156,15 +156,18 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     _plot_phases(runs, out_dir / "phases.png")
     first = next(iter(runs))
     base_rollout = _median(runs[first], "time/rollout_s")
-    lines = ["# Training report", "", f"Median seconds per step by phase; rollout speed relative to `{first}`.", "",
-             "| run | steps | reward first -> last | mean length | "
-             + " | ".join(f"{p} s" for p in PHASES) + f" | rollout tokens/s | rollout speed vs {first} |",
-             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    base_step = _median(runs[first], "time/step_s")
+    lines = ["# Training report", "", f"Median seconds per step by phase; rollout and step speed relative to `{first}`.",
+             "", "| run | steps | reward first -> last | mean length | "
+             + " | ".join(f"{p} s" for p in PHASES) + f" | step s | step speed vs {first} | rollout tokens/s | "
+             f"rollout speed vs {first} |",
+             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|"]
     for name, rows in runs.items():
         lengths = [r.get("completions/mean_length", 0.0) for r in rows]
         lines.append(f"| {name} | {len(rows)} | {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} | "
                      f"{sum(lengths) / len(lengths):.1f} | "
                      + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
+                     + f" | {_median(rows, 'time/step_s'):.2f} | {_ratio(base_step, _median(rows, 'time/step_s')):.2f}x"
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
                      f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x |")
     lines += _rollout_breakdown(runs)
