@@ -5,12 +5,14 @@ from __future__ import annotations
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.trainer import train
 
+from .common import ROLLOUT_HELP
 from .config import add_config_options, load_config
 
 HELP = {
+    **ROLLOUT_HELP,
     "model": "smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, a .gguf file or a local Hugging Face directory",
     "data": "prompt set: .jsonl or .parquet (verl layout detected)",
-    "reward": "reward function: math, first_number, code, or module:function / file.py:function",
+    "reward": "reward function: math, first_number, number_f1, code, or module:function / file.py:function",
     "reward_weights": "weight of each --reward, in order",
     "schedule": "rollout KV budget schedule (dense for the dense-rollout baseline; adaptive: moved per length bin "
                 "during training to hold tau)",
@@ -37,9 +39,6 @@ HELP = {
     "log_prob_micro_batch_size": "rows per forward without gradients (recompute, monitor, KL reference; default "
                                  "--micro-batch-size): a whole group computes its prompt once",
     "monitor_share": "share of each step's prompt groups measured exactly (0 < share <= 1)",
-    "backend": "rollout backend: native (our engine)",
-    "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
-    "ray_address": "attach to an existing Ray cluster (started with `ray start --head`) instead of a local one",
     "max_batch_size": "most sequences decoded together by a rollout engine",
     "allow_changes": "with --resume: accept a changed config for the options where continuing makes sense",
     "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)",

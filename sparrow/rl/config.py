@@ -17,12 +17,11 @@ from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
+from sparrow.rollout.factory import check_backend
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
 from .distill import DistillConfig
-from sparrow.rollout.factory import check_backend
-
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
 MONITORS = ("exact", "bounds")
