@@ -139,23 +139,19 @@ def test_unknown_landmark_is_one_message_wherever_it_is_named():
             build()
 
 
-def test_keep_in_place_and_by_copy_give_the_same_cache():
-    from sparrow.attention.kv_cache import KVCache, compaction_order
+def test_keep_in_place_gives_the_kept_rows_of_a_copy():
+    """`keep` compacts in place; every tensor then equals the original's kept rows taken by index."""
+    from sparrow.attention.kv_cache import KVCache
 
-    def filled():
-        cache = KVCache(2, 6, 2, 8, 40, SparseConfig(), torch.float32, torch.device("cpu"))
-        gen = torch.Generator().manual_seed(0)
-        for t in cache.keys + cache.values + [m for lm in cache.landmarks for m in lm]:
-            t.copy_(torch.randn(t.shape, generator=gen))
-        cache.lengths.copy_(torch.arange(6) + 10)
-        return cache
-
-    kept = [0, 2, 3, 5]
-    order = compaction_order(kept)
-    in_place, copied = filled(), filled()
-    in_place.keep(torch.tensor(order))
-    copied.keep(torch.tensor(order[::-1]))  # not a compaction order: copied into new memory
-    assert in_place.rows == copied.rows == 4
-    assert in_place.lengths.tolist() == [10, 15, 12, 13] == copied.lengths.flip(0).tolist()
-    for a, b in zip(in_place.keys + in_place.values, copied.keys + copied.values, strict=True):
-        assert torch.equal(a, b.flip(0)) and a.is_contiguous()
+    cache = KVCache(2, 6, 2, 8, 40, SparseConfig(), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for t in cache.keys + cache.values + [m for lm in cache.landmarks for m in lm]:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    cache.lengths.copy_(torch.arange(6) + 10)
+    before = [t.clone() for t in cache.keys + cache.values + [m for lm in cache.landmarks for m in lm]]
+    order = cache.keep([0, 2, 3, 5])
+    assert order == [0, 5, 2, 3] and cache.rows == 4
+    assert cache.lengths.tolist() == [10, 15, 12, 13]
+    after = cache.keys + cache.values + [m for lm in cache.landmarks for m in lm]
+    for a, b in zip(after, before, strict=True):
+        assert torch.equal(a, b[order]) and a.is_contiguous()

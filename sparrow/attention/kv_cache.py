@@ -119,43 +119,35 @@ class KVCache:
             for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
                 store[step.filled, :, step.filled_pages] = mark
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (new row i is old row rows[i]), dropping finished sequences.
-
-        With an order from `compaction_order` the batch is compacted in place, one row copied per dropped row;
-        any other order copies every kept row into new memory.
-        """
-        order = rows.tolist()
+    def keep(self, kept: list[int]) -> list[int]:
+        """Keep only the rows `kept` (ascending; finished sequences dropped), compacted in place with one row copied
+        per dropped row below len(kept). Returns the new order: new row i is old row order[i]."""
+        order = compaction_order(kept)
+        moves = [(i, r) for i, r in enumerate(order) if r != i]
+        for tensor in [*self.keys, *self.values, *(m for lm in self.landmarks for m in lm), self.lengths]:
+            for i, r in moves:
+                tensor[i].copy_(tensor[r])
         count = len(order)
-        if all(r == i or r >= count for i, r in enumerate(order)):
-            moves = [(i, r) for i, r in enumerate(order) if r != i]
-            for tensor in [*self.keys, *self.values, *(m for lm in self.landmarks for m in lm), self.lengths]:
-                for i, r in moves:
-                    tensor[i].copy_(tensor[r])
-            self.keys = [k[:count] for k in self.keys]
-            self.values = [v[:count] for v in self.values]
-            self.landmarks = [[m[:count] for m in lm] for lm in self.landmarks]
-            self.lengths = self.lengths[:count]
-            return
-        self.keys = [_select(k, rows) for k in self.keys]
-        self.values = [_select(v, rows) for v in self.values]
-        self.landmarks = [[m.index_select(0, rows) for m in lm] for lm in self.landmarks]
-        self.lengths = self.lengths.index_select(0, rows)
+        self.keys = [k[:count] for k in self.keys]
+        self.values = [v[:count] for v in self.values]
+        self.landmarks = [[m[:count] for m in lm] for lm in self.landmarks]
+        self.lengths = self.lengths[:count]
+        return order
 
     def clone(self) -> KVCache:
         """An independent copy (used to run several decodes from one shared prefill)."""
         copy = object.__new__(KVCache)
         copy.__dict__.update(self.__dict__)
-        copy.keys = [_select(k, None) for k in self.keys]
-        copy.values = [_select(v, None) for v in self.values]
+        copy.keys = [_copy(k) for k in self.keys]
+        copy.values = [_copy(v) for v in self.values]
         copy.landmarks = [[m.clone() for m in lm] for lm in self.landmarks]
         copy.lengths = self.lengths.clone()
         return copy
 
 
 def compaction_order(kept: list[int]) -> list[int]:
-    """The rows `kept` (ascending) in the order that `KVCache.keep` compacts in place: a kept row below
-    len(kept) stays where it is, and each dropped row below it is filled by a kept row from above."""
+    """The rows `kept` (ascending) in the order `KVCache.keep` leaves them: a kept row below len(kept) stays where
+    it is, and each dropped row below it is filled by a kept row from above, so no source is overwritten first."""
     count = len(kept)
     holes = sorted(set(range(count)) - set(kept))
     movers = [r for r in kept if r >= count]
@@ -165,10 +157,6 @@ def compaction_order(kept: list[int]) -> list[int]:
     return order
 
 
-def _select(tensor: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """Rows of a cache tensor (all of them when `rows` is None) in new memory allocated like the original."""
-    count = tensor.shape[0] if rows is None else rows.numel()
-    out = zeros((count,) + tuple(tensor.shape[1:]), tensor.dtype, tensor.device)
-    if rows is None:
-        return out.copy_(tensor)
-    return torch.index_select(tensor, 0, rows, out=out)
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A cache tensor in new memory allocated like the original (huge pages where available)."""
+    return zeros(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)

@@ -24,7 +24,6 @@ from sparrow.attention import (
     enable_sparse_attention,
 )
 from sparrow.attention.interface import CONTEXT_KEY, base_model
-from sparrow.attention.kv_cache import compaction_order
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
 
@@ -179,9 +178,8 @@ class RolloutEngine:
             if not keep:
                 break
             if len(keep) < len(live):
-                keep = compaction_order(keep)
+                keep = cache.keep(keep)
                 index = torch.tensor(keep, device=self.device)
-                cache.keep(index)
                 live = [live[r] for r in keep]
                 streams = [streams[r] for r in keep]
                 step.tokens = step.tokens.index_select(0, index)
