@@ -95,6 +95,18 @@ def test_chat_prompts_use_the_chat_template(llama):
     assert "<|im_start|>user" in tok.decode(ids, skip_special_tokens=False)
 
 
+def test_a_final_assistant_message_is_continued_not_closed(llama):
+    """As in TRL: a chat prompt ending with the assistant's message is the start of the answer."""
+    model, tok = llama
+    engine = RolloutEngine(model, tok)
+    asked = [{"role": "user", "content": "hi"}]
+    started = asked + [{"role": "assistant", "content": "1. "}]
+    ids = engine.encode(started)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.decode(engine.encode(asked), skip_special_tokens=False) + "1. "
+    assert "<|im_end|>" not in tok.decode(ids[len(engine.encode(asked)):], skip_special_tokens=False)
+    out = engine.generate([started], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == ids
+
 def test_too_long_a_request_and_bad_settings_fail_clearly(llama):
     engine = RolloutEngine(*llama)
     with pytest.raises(SparrowError, match="exceeds the model's 8192 positions"):

@@ -75,6 +75,7 @@ def test_manifest_prompts_hold_the_codes_of_their_answer_in_order_inside_the_led
         block = text[text.index("MANIFEST\n"):text.index("END OF MANIFEST")]
         assert re.findall(r"\d+\. (\d{5})", block) == codes
         assert text.index("MANIFEST") > text.index("Entry 1:") and prompt_length(tok, example["prompt"]) >= 800
+        assert example["prompt"][1] == {"role": "assistant", "content": "1. "}
 
 
 def test_number_f1_gives_partial_credit_and_costs_extra_numbers():

@@ -35,8 +35,8 @@ class PromptsConfig:
 HELP = {
     "task": "records: a long storage ledger and a question about one entry (answer: an integer, math reward); "
             "passkey: a pass key hidden in a long ledger (answer: five digits, first_number reward); "
-            "manifest: copy a numbered list of 12 codes hidden in a long ledger (answer: the codes, number_f1 "
-            "reward; a long-generation task)",
+            "manifest: copy a numbered list of 16 codes hidden in a long ledger, the answer started with '1. ' "
+            "(answer: the codes, number_f1 reward; a long-generation task)",
     "count": "number of prompts",
     "min_tokens": "minimum prompt length in tokens, chat template included",
     "model": "whose tokenizer measures the length",

@@ -12,12 +12,21 @@ def as_chat(prompts: list[Prompt]) -> list[Prompt]:
     return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
 
 
+def chat_template_mode(messages: list[dict]) -> dict:
+    """How to template chat messages (TRL's rule): a last message from the assistant is the start of the answer and
+    is continued; otherwise the assistant's turn is opened."""
+    if messages and messages[-1].get("role") == "assistant":
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": True}
+
+
 def encode_prompt(tokenizer, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
-    """Token ids of a prompt; `apply_chat_template` templates text prompts as one user message."""
+    """Token ids of a prompt; `apply_chat_template` templates text prompts as one user message. Chat messages are
+    always templated, a final assistant message continued (`chat_template_mode`)."""
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, **chat_template_mode(prompt))
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     elif isinstance(prompt, str) and apply_chat_template:
         return encode_prompt(tokenizer, [{"role": "user", "content": prompt}])

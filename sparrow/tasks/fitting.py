@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from sparrow.engine.prompts import encode_prompt
 from sparrow.errors import SparrowError
 
 
 def prompt_length(tokenizer, messages: list[dict]) -> int:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return len(encode_prompt(tokenizer, messages))
 
 
 def fit_examples(make_example: Callable[[random.Random, int], dict], count: int, min_tokens: int, seed: int,

@@ -1,10 +1,11 @@
 """The `manifest` task: copy a numbered manifest of five-digit codes hidden at a random depth of a long ledger.
 
-A long-generation task for the default model: the answer is every code of the manifest (12 by default, about
-100 tokens), scored by the F1 of the codes found in the completion against the manifest's (`number_f1`), so a
+A long-generation task for the default model: the answer is every code of the manifest (16 by default, about
+150 tokens), scored by the F1 of the codes found in the completion against the manifest's (`number_f1`), so a
 partly right answer earns partial reward. Copying a block from far back in the prompt, line after line, is what
-aggressive sparse budgets break. Measured starting reward of SmolLM2-135M-Instruct on 2K-token prompts (12 codes):
-F1 0.62 at temperature 0.6 and 0.10 at temperature 1 (BENCHMARKS.md).
+aggressive sparse budgets break. The prompt starts the assistant's answer with "1. " (a final assistant message,
+continued by the chat template): without it SmolLM2-135M-Instruct at temperature 1 mostly opens with prose or a
+count and never recovers (F1 0.08 on 2K-token prompts); with it, F1 is 0.44 on 4.5K-token prompts (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import random
 from .fitting import fit_examples
 from .records import ITEMS, NAMES, PLACES
 
-CODES = 12
+CODES = 16
+ANSWER_START = "1. "
 
 
 def make_example(rng: random.Random, entries: int, codes: int = CODES) -> dict:
@@ -30,7 +32,8 @@ def make_example(rng: random.Random, entries: int, codes: int = CODES) -> dict:
     rows.insert(rng.randint(entries // 10, entries - entries // 10), block)
     text = ("Here is a storage ledger with a manifest somewhere in it.\n\n" + "\n".join(rows) +
             "\n\nCopy the manifest: write each of its numbered codes on its own line.")
-    return {"prompt": [{"role": "user", "content": text}], "answer": manifest}
+    return {"prompt": [{"role": "user", "content": text}, {"role": "assistant", "content": ANSWER_START}],
+            "answer": manifest}
 
 
 def make_prompts(count: int, min_tokens: int, seed: int, tokenizer) -> list[dict]:
