@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~4.5K-token prompts,
-# answers of ~100-160 tokens), sparse rollouts at the calibrated schedule vs dense rollouts, then one report
-# comparing them (reward, length, tail acceptance per bin, time per phase). About 25 minutes on 2 CPU cores.
+# answers of ~150-200 tokens at temperature 1), sparse rollouts at the calibrated schedule vs dense rollouts, then
+# one report comparing them (reward, length, tail acceptance per bin, time per phase). About 25 minutes on 2 CPU
+# cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,11 +11,13 @@ OUT=${SPARROW_DEMO_DIR:-runs/demo-long}
 rm -rf "$OUT"
 mkdir -p "$OUT"
 $SPARROW prompts --task manifest --count 32 --min-tokens 4096 --seed 0 --out "$OUT/manifest-train.jsonl"
-echo "== GRPO on sparse rollouts (schedule calibrated on manifest prompts for tau 0.75: 0:2048) =="
-$SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/manifest-train.jsonl" --output-dir "$OUT/sparse"
+$SPARROW prompts --task manifest --count 2 --min-tokens 4096 --seed 2 --out "$OUT/manifest-heldout.jsonl"
+echo "== GRPO on sparse rollouts (schedule calibrated on manifest prompts for tau 0.75: 0:1024) =="
+$SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/manifest-train.jsonl" \
+    --eval-data "$OUT/manifest-heldout.jsonl" --output-dir "$OUT/sparse"
 echo "== the same run on dense rollouts =="
 $SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/manifest-train.jsonl" --schedule dense \
-    --output-dir "$OUT/dense"
+    --eval-data "$OUT/manifest-heldout.jsonl" --output-dir "$OUT/dense"
 echo "== report =="
 $SPARROW report "$OUT/dense" "$OUT/sparse" --out "$OUT"
 cat "$OUT/report.md"

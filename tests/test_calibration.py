@@ -73,7 +73,7 @@ def test_a_profile_binned_by_generated_position_is_refused():
 
 def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
     """examples/smollm2-manifest.yaml's schedule is what `sparrow calibrate` picks from the committed manifest
-    profile at the config's tau with a 0.02 margin; without the margin 1024 tokens would do in the longer bin."""
+    profile at the config's tau with a 0.02 margin; without the margin 512 tokens would do."""
     import json
     from pathlib import Path
 
@@ -88,6 +88,6 @@ def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
     shipped = parse_schedule(config["sparse"]["schedule"])
     lengths = torch.arange(4096, 5120, 16)
     assert torch.equal(schedule.budget_for(lengths), shipped.budget_for(lengths))
-    assert shipped.budget_for(torch.tensor([4700])).item() == 2048
+    assert shipped.budget_for(torch.tensor([4700])).item() == 1024
     _, choices = calibrate(profile, 0.75)
-    assert [c.budget for c in choices] == [2048, 1024]
+    assert [c.budget for c in choices] == [512]
