@@ -2,7 +2,7 @@
 
 import torch
 
-from sparrow.attention.teacher_forced import sparse_forward
+from sparrow.attention.teacher_forced import SharedPrompt, sparse_forward
 from sparrow.engine import Completion, RolloutEngine, SamplingParams
 from sparrow.measure.metrics import acceptance_bounds, acceptance_rate
 from sparrow.models import load_model
@@ -71,5 +71,42 @@ def test_shared_prompt_forward_equals_full_forwards_in_values_and_gradients():
     (shared * batch.mask).sum().backward()
     assert logits.shape[1] == max(lengths)  # logits only where completion tokens are predicted
     assert torch.allclose(shared * batch.mask, full * batch.mask, atol=1e-5)
+    for got, want in zip((p.grad for p in model.parameters()), full_grads):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_prompt_shared_by_micro_batches_gives_the_gradients_of_full_forwards():
+    """The update's micro-batches of one group share one prompt forward (`SharedPrompt`): the same log-probs,
+    and after its one backward the same gradients as full forwards; without that backward the prompt's share is
+    missing."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-llama")
+    RolloutEngine(model, tokenizer)
+    prompt = torch.randint(3, 200, (1, 41))
+    lengths = [6, 3, 8, 1]
+    completions = [
+        Completion(prompt_index=0, sample_index=i, prompt_token_ids=prompt[0].tolist(),
+                   token_ids=torch.randint(3, 200, (n,)).tolist(), logprobs=[-1.0] * n,
+                   top_token_ids=[[1]] * n, top_logprobs=[[-1.0]] * n, kv_budget=[0] * n)
+        for i, n in enumerate(lengths)
+    ]
+    batch = RolloutBatch.from_completions(completions)
+    full = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
+    (full * batch.mask).sum().backward()
+    full_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    shared = SharedPrompt(model, batch.input_ids[:1, :41])
+    assert shared.supported
+    for micro in shared_prompt_pieces(batch, torch.arange(4), max_rows=2):
+        logits, span = piece_logits(model, batch, micro, forward=shared.logits)
+        logp = piece_logprobs(logits, batch, micro, span)
+        assert torch.allclose(logp * batch.mask[micro], full[micro] * batch.mask[micro], atol=1e-5)
+        (logp * batch.mask[micro]).sum().backward()
+    embed = model.get_input_embeddings().weight
+    prompt_rows = prompt[0].unique()
+    index = [i for i, p in enumerate(model.parameters()) if p is embed][0]
+    assert not torch.allclose(embed.grad[prompt_rows], full_grads[index][prompt_rows], atol=1e-5)
+    shared.backward()
     for got, want in zip((p.grad for p in model.parameters()), full_grads):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)

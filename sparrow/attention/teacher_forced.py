@@ -50,6 +50,52 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, prompt_length: int, **c
     return torch.cat([logits, rest.logits], dim=1)
 
 
+class SharedPrompt:
+    """One prompt's forward with gradients, shared by every micro-batch of its completions.
+
+    `shared_prompt_logits` computes the prompt once per call, so an update in micro-batches of m rows runs a
+    group's prompt forward and backward n/m times. Here it runs once: the prompt's KV cache and first logits are
+    kept as detached leaves, each micro-batch (`logits`, the same contract as `shared_prompt_logits`) backpropagates
+    into them, and `backward()` sends their summed gradients through the prompt in one pass. The gradients equal
+    the per-micro-batch path's up to summation order. Models whose cache is not made of plain dynamic layers
+    (sliding windows) keep the per-call path: `supported` is False and `logits` recomputes the prompt.
+    """
+
+    def __init__(self, model, prompt_ids: torch.Tensor):
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        self.supported = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        self._roots, self._leaves = [], []
+        if self.supported:
+            first = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
+            layers = first.past_key_values.layers
+            self._roots = [first.logits] + [t for layer in layers for t in (layer.keys, layer.values)]
+            self._leaves = [t.detach().requires_grad_() for t in self._roots]
+
+    def logits(self, model, input_ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+        if not self.supported:
+            return shared_prompt_logits(model, input_ids, prompt_length)
+        from transformers.cache_utils import DynamicCache
+
+        g, length = input_ids.shape
+        first, *kv = self._leaves
+        logits = first.expand(g, -1, -1)
+        if length - 1 <= prompt_length:
+            return logits
+        cache = DynamicCache(ddp_cache_data=[(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1))
+                                             for k, v in zip(kv[::2], kv[1::2], strict=True)])
+        rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True)
+        return torch.cat([logits, rest.logits], dim=1)
+
+    def backward(self) -> None:
+        """The prompt's share of the gradients, once, from what the micro-batches left on the leaves."""
+        pairs = [(root, leaf.grad) for root, leaf in zip(self._roots, self._leaves, strict=True)
+                 if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        self._roots = self._leaves = []
+
+
 def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int, schedule: Schedule,
                              sparse: SparseConfig | None = None) -> torch.Tensor:
     """The sparse actor's `shared_prompt_logits`: `sparse_forward` restricted to the completion positions, the

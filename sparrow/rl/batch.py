@@ -76,6 +76,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.cat(out, dim=1)
 
 
+def same_prompt(batch: RolloutBatch, a: int, b: int) -> bool:
+    """Whether rows `a` and `b` were sampled from the same prompt."""
+    p = int(batch.prompt_lengths[a])
+    return int(batch.prompt_lengths[b]) == p and torch.equal(batch.input_ids[a, :p], batch.input_ids[b, :p])
+
+
 def shared_prompt_pieces(batch: RolloutBatch, rows: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
     """Split `rows` into runs of consecutive rows with the same prompt, at most `max_rows` each.
 
@@ -84,11 +90,7 @@ def shared_prompt_pieces(batch: RolloutBatch, rows: torch.Tensor, max_rows: int)
     """
     pieces, run = [], [int(rows[0])]
     for row in rows[1:].tolist():
-        prev = run[0]
-        p = int(batch.prompt_lengths[prev])
-        same = (len(run) < max_rows and int(batch.prompt_lengths[row]) == p
-                and torch.equal(batch.input_ids[row, :p], batch.input_ids[prev, :p]))
-        if same:
+        if len(run) < max_rows and same_prompt(batch, run[0], row):
             run.append(row)
         else:
             pieces.append(torch.tensor(run))

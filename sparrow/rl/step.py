@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.attention import SparseConfig
+from sparrow.attention.teacher_forced import SharedPrompt
 from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
@@ -30,7 +31,7 @@ from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend
 from sparrow.schedules import Schedule
 
-from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
+from .batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from .config import GRPOSection, MonitorSection, SamplingSection
 from .losses import compute_advantages, kl_penalty, policy_loss, tis_stats, tis_weights
 
@@ -201,8 +202,8 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                 policy.optimizer.zero_grad(set_to_none=True)
                 tokens = batch.mask[mini].sum()
                 mini_loss = 0.0
-                for micro in _pieces(step, mini, cfg):
-                    logits, span = piece_logits(policy.model, batch, micro)
+                for micro, prompt in _with_shared_prompts(policy.model, batch, _pieces(step, mini, cfg)):
+                    logits, span = piece_logits(policy.model, batch, micro, forward=prompt.logits)
                     logp = piece_logprobs(logits, batch, micro, span, cfg.sampling.temperature)
                     loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
                                               batch.mask[micro], weights=step.weights[micro],
@@ -247,6 +248,21 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
     }
     if policy.distiller is not None:
         step.update.update(policy.distiller.step(batch, step.logp_old, step.advantages, step.schedule, cfg))
+
+
+def _with_shared_prompts(model, batch: RolloutBatch, pieces: list[torch.Tensor]):
+    """Each piece with the `SharedPrompt` of its prompt, so that consecutive pieces of a group share one prompt
+    forward; a prompt's backward runs once the caller is done with its last piece."""
+    prompt, row = None, -1
+    for piece in pieces:
+        first = int(piece[0])
+        if prompt is None or not same_prompt(batch, row, first):
+            if prompt is not None:
+                prompt.backward()
+            prompt, row = SharedPrompt(model, batch.input_ids[first:first + 1, :int(batch.prompt_lengths[first])]), first
+        yield piece, prompt
+    if prompt is not None:
+        prompt.backward()
 
 
 def _check_parameters(model: torch.nn.Module, number: int) -> None:
