@@ -105,7 +105,7 @@ def test_a_prompt_shared_by_micro_batches_gives_the_gradients_of_full_forwards()
         (logp * batch.mask[micro]).sum().backward()
     embed = model.get_input_embeddings().weight
     prompt_rows = prompt[0].unique()
-    index = [i for i, p in enumerate(model.parameters()) if p is embed][0]
+    index = next(i for i, p in enumerate(model.parameters()) if p is embed)
     assert not torch.allclose(embed.grad[prompt_rows], full_grads[index][prompt_rows], atol=1e-5)
     shared.backward()
     for got, want in zip((p.grad for p in model.parameters()), full_grads):
