@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~4.5K-token prompts,
 # answers of ~150-200 tokens at temperature 1), sparse rollouts at the calibrated schedule vs dense rollouts, then
-# one report comparing them (reward, length, tail acceptance per bin, time per phase). About 25 minutes on 2 CPU
+# one report comparing them (reward, length, tail acceptance per bin, time per phase). About 20 minutes on 2 CPU
 # cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
