@@ -18,6 +18,16 @@ def _batch(llama, schedule):
     return completions, RolloutBatch.from_completions(completions)
 
 
+def _group(prompt: torch.Tensor, lengths: list[int]) -> RolloutBatch:
+    """One group of random completions of `lengths` tokens after `prompt` [1, P], packed."""
+    return RolloutBatch.from_completions([
+        Completion(prompt_index=0, sample_index=i, prompt_token_ids=prompt[0].tolist(),
+                   token_ids=torch.randint(3, 200, (n,)).tolist(), logprobs=[-1.0] * n,
+                   top_token_ids=[[1]] * n, top_logprobs=[[-1.0]] * n, kv_budget=[0] * n)
+        for i, n in enumerate(lengths)
+    ])
+
+
 def test_dense_recompute_matches_dense_rollout_logprobs_token_for_token(llama):
     model, _ = llama
     completions, batch = _batch(llama, DENSE)
@@ -52,13 +62,7 @@ def test_shared_prompt_forward_equals_full_forwards_in_values_and_gradients():
     RolloutEngine(model, tokenizer)  # the trainer's model has Sparrow's attention registered; its dense path serves
     prompt = torch.randint(3, 200, (1, 37))
     lengths = [5, 9, 1]
-    completions = [
-        Completion(prompt_index=0, sample_index=i, prompt_token_ids=prompt[0].tolist(),
-                   token_ids=torch.randint(3, 200, (n,)).tolist(), logprobs=[-1.0] * n,
-                   top_token_ids=[[1]] * n, top_logprobs=[[-1.0]] * n, kv_budget=[0] * n)
-        for i, n in enumerate(lengths)
-    ]
-    batch = RolloutBatch.from_completions(completions)
+    batch = _group(prompt, lengths)
     rows = torch.arange(3)
     assert [p.tolist() for p in shared_prompt_pieces(batch, rows, max_rows=2)] == [[0, 1], [2]]
 
@@ -83,14 +87,7 @@ def test_a_prompt_shared_by_micro_batches_gives_the_gradients_of_full_forwards()
     model, tokenizer = load_model("tiny-llama")
     RolloutEngine(model, tokenizer)
     prompt = torch.randint(3, 200, (1, 41))
-    lengths = [6, 3, 8, 1]
-    completions = [
-        Completion(prompt_index=0, sample_index=i, prompt_token_ids=prompt[0].tolist(),
-                   token_ids=torch.randint(3, 200, (n,)).tolist(), logprobs=[-1.0] * n,
-                   top_token_ids=[[1]] * n, top_logprobs=[[-1.0]] * n, kv_budget=[0] * n)
-        for i, n in enumerate(lengths)
-    ]
-    batch = RolloutBatch.from_completions(completions)
+    batch = _group(prompt, [6, 3, 8, 1])
     full = token_logprobs(model(input_ids=batch.input_ids).logits, batch.input_ids)
     (full * batch.mask).sum().backward()
     full_grads = [p.grad.clone() for p in model.parameters()]

@@ -39,14 +39,25 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, prompt_length: int, **c
     context). Gradients flow through the shared cache, so values and gradients equal those of G full forwards,
     at the cost of one prompt per group; logits are computed only where tokens are predicted.
     """
-    g, length = input_ids.shape
     first = model(input_ids=input_ids[:1, :prompt_length], use_cache=True, logits_to_keep=1)
-    logits = first.logits.expand(g, -1, -1)
+
+    def repeated(g: int):
+        first.past_key_values.batch_repeat_interleave(g)
+        return first.past_key_values
+
+    return _completion_logits(model, first.logits, repeated, input_ids, prompt_length, **continuation_kwargs)
+
+
+def _completion_logits(model, first_logits: torch.Tensor, cache_for, input_ids: torch.Tensor, prompt_length: int,
+                       **continuation_kwargs) -> torch.Tensor:
+    """The prompt's last logits [1, 1, V] for every row, then the completions' forward over `cache_for(G)` (the
+    prompt's KV cache for G rows, built only when there is a completion token to feed)."""
+    g, length = input_ids.shape
+    logits = first_logits.expand(g, -1, -1)
     if length - 1 <= prompt_length:
         return logits
-    cache = first.past_key_values
-    cache.batch_repeat_interleave(g)
-    rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True, **continuation_kwargs)
+    rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache_for(g), use_cache=True,
+                 **continuation_kwargs)
     return torch.cat([logits, rest.logits], dim=1)
 
 
@@ -77,15 +88,13 @@ class SharedPrompt:
             return shared_prompt_logits(model, input_ids, prompt_length)
         from transformers.cache_utils import DynamicCache
 
-        g, length = input_ids.shape
         first, *kv = self._leaves
-        logits = first.expand(g, -1, -1)
-        if length - 1 <= prompt_length:
-            return logits
-        cache = DynamicCache(ddp_cache_data=[(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1))
-                                             for k, v in zip(kv[::2], kv[1::2], strict=True)])
-        rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache, use_cache=True)
-        return torch.cat([logits, rest.logits], dim=1)
+
+        def expanded(g: int):
+            return DynamicCache(ddp_cache_data=[(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1))
+                                                for k, v in zip(kv[::2], kv[1::2], strict=True)])
+
+        return _completion_logits(model, first, expanded, input_ids, prompt_length)
 
     def backward(self) -> None:
         """The prompt's share of the gradients, once, from what the micro-batches left on the leaves."""
