@@ -1,0 +1,46 @@
+"""Reward retention of paired sparse/dense samples: the ratio of means and its delta-method interval."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from sparrow.errors import SparrowError
+from sparrow.measure.retention import reward_retention
+
+
+def test_retention_and_its_interval_on_hand_computed_pairs():
+    # R = 0.75; residuals (x - R y) / mean(y) = [.25, -.75, .25, .25]; var = 4/3 * 0.75 / 16 = 1/16
+    r = reward_retention([1, 0, 1, 1], [1, 1, 1, 1])
+    half = stats.t.ppf(0.975, 3) * 0.25
+    assert r.value == 0.75 and (r.pairs, r.prompts) == (4, 4)
+    assert r.low == pytest.approx(0.75 - half) and r.high == pytest.approx(0.75 + half)
+
+
+def test_identical_rewards_retain_everything_with_no_width():
+    r = reward_retention([0.2, 0.9, 0.4, 0.0], [0.2, 0.9, 0.4, 0.0])
+    assert (r.value, r.low, r.high) == (1.0, 1.0, 1.0)
+    assert r.verdict(1.0) == "held"
+
+
+def test_pairs_of_one_prompt_are_one_cluster():
+    sparse, dense = [1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]
+    alone = reward_retention(sparse, dense)
+    grouped = reward_retention(sparse, dense, groups=[0, 0, 1, 1, 2, 2])
+    assert alone.value == grouped.value == 0.5 and grouped.prompts == 3
+    # residual sums per prompt [1, -1, 0] / 6 pairs: var = 3/2 * 2 / 36; t with 2 degrees of freedom
+    assert grouped.high - grouped.value == pytest.approx(stats.t.ppf(0.975, 2) * np.sqrt(1.5 * 2 / 36))
+
+
+def test_verdicts_and_undefined_cases():
+    low = reward_retention([0.0] * 8 + [0.1] * 8, [1.0] * 16)
+    assert low.verdict(0.9) == "lost" and low.verdict(0.0) == "held"
+    assert reward_retention([1, 0], [0, 0]).value is None
+    single = reward_retention([1, 0, 1], [1, 1, 1], groups=[7, 7, 7])
+    assert single.value == pytest.approx(2 / 3) and single.low is None and single.verdict(0.5) == "undecided"
+
+
+@pytest.mark.parametrize("sparse, dense, message", [
+    ([1, 2], [1], "equally long"), ([], [], "non-empty"), ([float("nan")], [1], "finite")])
+def test_bad_pairs_are_refused(sparse, dense, message):
+    with pytest.raises(SparrowError, match=message):
+        reward_retention(sparse, dense)
