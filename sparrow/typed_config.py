@@ -11,12 +11,16 @@ told apart by its value: a mapping is the section.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
+import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from sparrow.errors import SparrowError
 
@@ -115,45 +119,115 @@ def check_value(option: Option, value, source: str):
     return float(value) if kind is float else value
 
 
-def flatten_mapping(cls, mapping: dict, source: str) -> dict[str, object]:
-    """{flat option name: checked value} from a mapping of nested sections and/or (at the top) flat names."""
+def flatten_mapping(cls, mapping: dict, source: str, command: str | None = None) -> dict[str, object]:
+    """{flat option name: checked value} from a mapping of nested sections and/or (at the top) flat names.
+    `command` names the `sparrow` command whose --help an unknown-option message points to."""
     every = options(cls)
     by_name = {o.name: o for o in every}
     values: dict[str, object] = {}
+    spelled: dict[str, str] = {}  # flat name -> the key that set it ("learning_rate" or "grpo.learning_rate")
 
     def walk(section_cls, data: dict, prefix: tuple[str, ...]) -> None:
         inner = sections(section_cls)
         own = {o.path[-1]: o for o in every if o.path[:-1] == prefix}
         for key, value in data.items():
+            spelling = ".".join(prefix + (str(key),))
             if key in inner and isinstance(value, dict):
                 walk(inner[key], value, prefix + (key,))
                 continue
             option = own.get(key) or (by_name.get(key) if not prefix else None)
+            if option is None and key in inner:
+                raise SparrowError(f"{source}: section {spelling!r} must be a mapping of its options, "
+                                   f"got {_short(value)}")
             if option is None:
-                where = ".".join(prefix)
-                known = sorted(own) + sorted(inner) if prefix else sorted(set(by_name) | set(inner))
-                raise SparrowError(f"{source}: unknown option {(where + '.' if where else '') + str(key)!r}; "
-                                   f"known{' in ' + where if where else ''}: {', '.join(known)}")
+                raise SparrowError(f"{source}: unknown option {spelling!r}" + _suggest(
+                    str(key), sorted(own) + sorted(inner) if prefix else sorted(set(by_name) | set(inner)),
+                    by_name.get(key), command))
+            if option.name in spelled:
+                raise SparrowError(f"{source}: {spelled[option.name]!r} and {spelling!r} both set {option.name}; "
+                                   "give one of them")
+            spelled[option.name] = spelling
             values[option.name] = check_value(option, value, source)
 
     walk(cls, mapping, ())
     return values
 
 
+def _short(value) -> str:
+    """A repr cut to a readable length for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _suggest(key: str, known: list[str], elsewhere: Option | None, command: str | None) -> str:
+    """The tail of an unknown-option message: the closest valid names, and where to see all of them."""
+    close = difflib.get_close_matches(key, known, n=3)
+    if elsewhere is not None:
+        tail = f"; did you mean {'.'.join(elsewhere.path)}?"
+    else:
+        tail = f"; did you mean {' or '.join(close)}?" if close else ""
+    return tail + (f" (`sparrow {command} --help` lists every option)" if command else "")
+
+
+_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class ConfigYAMLError(yaml.MarkedYAMLError):
+    """A YAML file that parses but is refused as a config (a key given twice, an alias)."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for config files: YAML 1.2 floats (1e-4, not only 1.0e-4), no repeated keys in a
+    mapping, and no aliases (`*name`), so a small file cannot expand into a huge one."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigYAMLError(problem=f"YAML aliases (*{event.anchor}) are not supported in config files",
+                                  problem_mark=event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise ConfigYAMLError(problem=f"key {key!r} is given twice in one mapping (first on line "
+                                                  f"{first[key].line + 1})", problem_mark=key_node.start_mark)
+                first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    """One line for a YAML error: the file, line and column, and the problem."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return f"config file {str(path)!r} is not valid YAML: {' '.join(str(err).split())}"
+    mark = err.problem_mark or err.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    if isinstance(err, ConfigYAMLError):
+        return f"config file {str(path)!r}, {where}{err.problem}"
+    text = err.problem or err.context
+    if err.problem and err.context and err.context_mark:
+        text += f" ({err.context} at line {err.context_mark.line + 1}, column {err.context_mark.column + 1})"
+    return f"config file {str(path)!r} is not valid YAML: {where}{text}"
+
+
 def load_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file, or a SparrowError saying what is wrong with the file."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise SparrowError(f"config file {str(path)!r} does not exist" if not path.exists()
                            else f"config file {str(path)!r} is not a file")
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader) or {}
     except UnicodeDecodeError as err:
         raise SparrowError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise SparrowError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        raise SparrowError(_yaml_error(path, err)) from None
     if not isinstance(loaded, dict):
         raise SparrowError(f"config file {str(path)!r} must hold a mapping of option: value")
     return loaded

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python has no stream to print to
+        _print_error(args.command, "standard output is closed; redirect it to a file or /dev/null instead")
+        return EXIT_BAD_INPUT
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
     try:
         code = args.run(args) or 0
@@ -54,7 +57,8 @@ def _print_error(command: str, message, prefix: str = "error: ") -> None:
     for bar in list(tqdm_std.tqdm._instances):  # tqdm's registry of live bars (no public accessor)
         bar.close()
     try:
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
     except (BrokenPipeError, ValueError):
         _discard_stdout()
     print(f"sparrow {command}: {prefix}{message}", file=sys.stderr)

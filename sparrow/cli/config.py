@@ -39,7 +39,8 @@ def load_config(cls, args: argparse.Namespace):
     values: dict = {}
     if getattr(args, "config", None) is not None:
         path = Path(args.config)
-        values.update(flatten_mapping(cls, load_yaml(path), f"config file {str(path)!r}"))
+        values.update(flatten_mapping(cls, load_yaml(path), f"config file {str(path)!r}",
+                                      getattr(args, "command", None)))
     for option in options(cls):
         value = getattr(args, option.name, None)
         if value is not None:
