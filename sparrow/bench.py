@@ -7,6 +7,7 @@ decode at the same cached length; each is warmed up, then timed over several rep
 from __future__ import annotations
 
 import copy
+import os
 import platform
 import statistics
 import time
@@ -17,6 +18,7 @@ import torch
 from sparrow.attention.interface import base_model
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine.sampling import sample
+from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0, num_logprobs=20)
@@ -50,6 +52,25 @@ def kv_bytes_per_step(engine: RolloutEngine, schedule: Schedule, cached: int, ba
     sparse = (len(engine.sparse.dense_layers) * cached * width + sparse_layers * (attended * width + landmarks)) * batch
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return {"weights": weights, "dense_kv": dense, "sparse_kv": sparse}
+
+
+def cache_tokens(context: int, warmup: int, steps: int) -> int:
+    """Tokens per row of the benchmark's KV cache: the prompt and every decode step, warm-up included."""
+    return context + warmup + steps + 1
+
+
+def check_kv_cache_fits(config, dtype: torch.dtype, device: torch.device, batch: int, tokens: int) -> None:
+    """Refuse a KV cache of `batch` rows of `tokens` tokens, for the model of Hugging Face `config`, that does not
+    fit twice (the prefilled cache and the copy each repeat decodes) in the total memory of `device`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
+    need = 2 * batch * tokens * per_token
+    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > total:
+        raise SparrowError(f"batch {batch} x {tokens} cached tokens need {need / 2**30:,.1f} GiB of KV cache (held "
+                           f"twice), more than the {total / 2**30:,.1f} GiB of memory on device {device}; expected a "
+                           "smaller --batch or --context")
 
 
 def _time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
@@ -98,7 +119,9 @@ def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch
     """Tokens/s of dense and sparse decode (and transformers' generate) at `context` cached tokens."""
     vocab = base_model(engine.model).config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(engine.device)
-    cache = engine.new_cache(batch, context + warmup + steps + 1)
+    tokens = cache_tokens(context, warmup, steps)
+    check_kv_cache_fits(base_model(engine.model).config, engine.dtype, engine.device, batch, tokens)
+    cache = engine.new_cache(batch, tokens)
     log(f"prefill: {context} tokens shared by {batch} rows")
     start = time.perf_counter()
     logits = engine.prefill(cache, prompt[0].tolist(), torch.arange(batch, device=engine.device))

@@ -211,12 +211,13 @@ def split_examples(examples: list, held_out: int, seed: int) -> tuple[list, list
 
 
 def read_prompts(path: str) -> list:
-    """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages."""
+    """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages,
+    checked as training data is (`_prompt_problem`)."""
     prompts = []
     for number, row in read_jsonl(path):
-        prompt = row.get("prompt")
-        is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
-        if not (isinstance(prompt, str) and prompt) and not (is_chat and prompt):
-            raise SparrowError(f"{path}:{number}: expected a 'prompt' field holding text or chat messages")
+        prompt = row.get("prompt", _MISSING)
+        problem = _prompt_problem(prompt, "prompt")
+        if problem is not None:
+            raise SparrowError(f"{path}:{number}: {problem}")
         prompts.append(prompt)
     return prompts

@@ -1,8 +1,9 @@
 """Small file helpers shared by the commands: atomic writes, durable JSONL appends, JSONL reading with line numbers.
 
 Files that a run appends to (metrics.jsonl, eval.jsonl) can end in a torn line when the run is killed during a
-write; `parse_jsonl` recognises one (the last line, without its newline, not a JSON object) so that readers of
-such logs can skip it and the trainer can cut it off on resume.
+write; `parse_jsonl` recognises one (the last line, without its newline, not a JSON object or not UTF-8: a write
+cut inside a character) so that readers of such logs can skip it and the trainer can cut it off on resume.
+Read such files with `read_jsonl_text`, which keeps bytes that are not UTF-8 for `parse_jsonl` to judge by line.
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     rename, fsync of the directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; the result should look like any file the user writes
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):  # name the file asked for, not the hidden temporary one
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from None
         raise
     fsync_dir(path.parent)
     return path
@@ -73,10 +78,16 @@ def append_jsonl(path: str | os.PathLike, row: dict) -> None:
         os.close(fd)
 
 
+def read_jsonl_text(path: str | os.PathLike) -> str:
+    """A JSONL file's text, bytes that are not UTF-8 kept as surrogates for `parse_jsonl` to report by line."""
+    return Path(path).read_text(encoding="utf-8", errors="surrogateescape")
+
+
 def parse_jsonl(text: str, name: str, torn_tail_ok: bool = False) -> tuple[list[tuple[int, dict]], int | None]:
-    """(line number, object) for every non-empty line of `text`, and the number of a torn last line that was
-    skipped (None if there was none). A line that is not a JSON object is an error naming `name` and the line;
-    with `torn_tail_ok` the last line is skipped instead when it also lacks its newline (a write cut short)."""
+    """(line number, object) for every non-empty line of `text` (as `read_jsonl_text` reads it), and the number of
+    a torn last line that was skipped (None if there was none). A line that is not UTF-8 or not a JSON object is an
+    error naming `name` and the line; with `torn_tail_ok` the last line is skipped instead when it also lacks its
+    newline (a write cut short)."""
     lines = text.splitlines()
     torn_tail = torn_tail_ok and not text.endswith("\n")
     rows = []
@@ -84,8 +95,11 @@ def parse_jsonl(text: str, name: str, torn_tail_ok: bool = False) -> tuple[list[
         if not line.strip():
             continue
         try:
+            line.encode("utf-8")
             row = json.loads(line)
             problem = None if isinstance(row, dict) else "expected a JSON object"
+        except UnicodeEncodeError:
+            problem = "not UTF-8 text"
         except json.JSONDecodeError as err:
             problem = f"not valid JSON ({err.msg})"
         if problem is None:
@@ -105,11 +119,7 @@ def read_jsonl(path: str | os.PathLike, torn_tail_ok: bool = False) -> list[tupl
     path = Path(path)
     if not path.is_file():
         raise SparrowError(f"file {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise SparrowError(f"file {str(path)!r} is not UTF-8 text (byte {err.start}); expected JSON lines") from None
-    rows, torn = parse_jsonl(text, str(path), torn_tail_ok)
+    rows, torn = parse_jsonl(read_jsonl_text(path), str(path), torn_tail_ok)
     if torn is not None:
         warnings.warn(f"sparrow: {path}:{torn}: skipped a torn last line (a write cut short, e.g. by a kill)",
                       stacklevel=2)

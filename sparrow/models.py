@@ -113,7 +113,18 @@ def load_model(
     else:
         model, tokenizer = _load_path(spec, dtype)
     _align_special_tokens(model, tokenizer)
+    check_finite_weights(model, spec)
     return model.to(device).eval(), tokenizer
+
+
+def check_finite_weights(model: torch.nn.Module, spec: str) -> None:
+    """Refuse weights holding NaN or infinity (a damaged file, or one saved from a diverged run), naming the first
+    such parameter, so that no command trains or measures on them."""
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            bad = int((~torch.isfinite(param)).sum())
+            raise SparrowError(f"model {spec!r} has non-finite weights: parameter {name!r} holds {bad} NaN or "
+                               "infinite value(s) (the first such parameter); expected finite weights")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -172,6 +183,9 @@ def _accepted_forms() -> str:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A Hugging Face model directory holds at least one of these (fast, SentencePiece, BPE or WordPiece tokenizer)."""
+
 LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, struct.error, SafetensorError, StrictDataclassError)
 """What transformers, gguf and safetensors raise for a model file they cannot read: truncated or garbage weights,
 an invalid or unknown config, missing files, weights of the wrong shape."""
@@ -191,6 +205,9 @@ def _load_path(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
             raise SparrowError(f"model file {str(path)!r} is empty; expected a GGUF model")
         loader, expected = _load_gguf, "a complete GGUF file"
     elif path.is_dir() and (path / "config.json").is_file():
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise SparrowError(f"model directory {str(path)!r} has no tokenizer files: expected one of "
+                               f"{', '.join(TOKENIZER_FILES)} beside its config.json (tokenizer.save_pretrained)")
         loader, expected = _load_hf_dir, "a Hugging Face model directory with a valid config.json and complete weights"
     elif not path.exists():
         raise SparrowError(f"unknown model {spec!r}: no such file or directory {str(path)!r}. {_accepted_forms()}")

@@ -98,10 +98,11 @@ class Schedule:
         for i, budget in enumerate(self.budgets):
             if budget <= 0 or budget % page_size:
                 raise SparrowError(f"schedule {self.name!r}: bin {i} budget {budget} is not a positive multiple "
-                                   f"of the page size {page_size}")
+                                   f"of the page size {page_size}; every budget must be whole pages")
             if budget < minimum:
                 raise SparrowError(f"schedule {self.name!r}: bin {i} budget {budget} is below {minimum} tokens "
-                                   f"(the {always_kept_pages} always-kept pages of {page_size} tokens)")
+                                   f"(the {always_kept_pages} always-kept pages of {page_size} tokens); every budget "
+                                   "must cover the pages each sparse step keeps (sink and recent)")
 
 
 DENSE = Schedule("dense", (), ())

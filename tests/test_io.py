@@ -84,5 +84,5 @@ def test_only_the_last_line_without_newline_counts_as_torn():
 def test_non_utf8_jsonl_is_one_message(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(b'{"prompt": "caf\xe9"}\n')
-    with pytest.raises(SparrowError, match=r"is not UTF-8 text \(byte 15\)"):
+    with pytest.raises(SparrowError, match=r"prompts.jsonl:1: not UTF-8 text"):
         read_jsonl(path)

@@ -6,10 +6,13 @@ import dataclasses
 import datetime
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from sparrow.bench import machine_info, run_benchmark, run_vllm_benchmark
+from sparrow.bench import cache_tokens, check_kv_cache_fits, machine_info, run_benchmark, run_vllm_benchmark
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
+from sparrow.measure.model_shapes import model_config
+from sparrow.models import MODEL_NAMES, resolve_dtype
 from sparrow.rollout.factory import check_backend
 
 from .common import MODEL_HELP, ModelOptions
@@ -41,6 +44,9 @@ class BenchConfig(ModelOptions):
             raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
         if self.parsed_schedule().is_dense:
             raise SparrowError("bench compares dense with a sparse schedule; give --schedule other than 'dense'")
+        if self.model in MODEL_NAMES or (Path(self.model).expanduser() / "config.json").is_file():  # else at load
+            check_kv_cache_fits(model_config(self.model), resolve_dtype(self.dtype), self.torch_device(), self.batch,
+                                cache_tokens(self.context, self.warmup, self.steps))
 
 
 HELP = {

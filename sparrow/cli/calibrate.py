@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
-from sparrow.measure.calibration import calibrate
+from sparrow.measure.calibration import calibrate, eligible_schedules, profile_retention, retention_floor
 from sparrow.measure.cost_model import compare, hardware
 from sparrow.measure.model_shapes import model_dims
 from sparrow.measure.profiling import read_profile
@@ -13,6 +13,7 @@ from sparrow.schedules import write_schedule_json
 
 from .common import check_output, require_file
 from .config import add_config_options, load_config
+from .profile import format_retention
 
 
 @dataclass
@@ -26,6 +27,7 @@ class CalibrateConfig:
     peak_flops: float | None = None
     bandwidth: float | None = None
     samples: int = 8
+    min_retention: float | None = None
 
     def validate(self) -> None:
         if self.profile is None:
@@ -47,7 +49,22 @@ HELP = {
     "peak_flops": "peak FLOP/s (required for cpu)",
     "bandwidth": "memory bandwidth in bytes/s (required for cpu)",
     "samples": "samples per prompt assumed by the predicted speedup",
+    "min_retention": "least reward retention (sparse mean reward / dense, from 'sparrow profile --reward') a "
+                     "schedule must keep to be a candidate; every bin gets at least the cheapest such one's budget",
 }
+
+
+def print_candidates(profile: dict, min_retention: float, page_size: int) -> None:
+    """Per profiled schedule: its reward retention with interval and verdict, eligibility and p5 per bin."""
+    eligible = eligible_schedules(profile, min_retention)
+    print(f"candidates (eligible: retention estimate >= {min_retention}; verdict: its 95% interval against it):")
+    print(f"{'schedule':<22} {'retention [95% interval]':<28} {'verdict':<10} {'eligible':<8}  p5 per bin")
+    for name, retention in profile_retention(profile).items():
+        per_bin = " ".join(f"{b['p5']:.3f}" for b in profile["schedules"][name]["bins"])
+        print(f"{name:<22} {format_retention(retention.to_json()):<28} {retention.verdict(min_retention):<10} "
+              f"{'yes' if name in eligible else 'no':<8}  {per_bin}")
+    print(f"every bin gets at least the budget of {retention_floor(profile, min_retention, page_size)}, the "
+          "cheapest eligible schedule")
 
 
 def run(args) -> int:
@@ -55,7 +72,10 @@ def run(args) -> int:
     profile = read_profile(config.profile)
     meta = profile.get("meta", {})
     page_size = meta.get("sparse", {}).get("page_size", 16)
-    schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size)
+    schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size,
+                                  config.min_retention)
+    if config.min_retention is not None:
+        print_candidates(profile, config.min_retention, page_size)
     print(f"calibrated for tau = {config.tau} (margin {config.margin}), bins of {meta.get('bin_size')} tokens:")
     print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'cheapest':>9} {'schedule':>9}  measured with")
     for c in choices:

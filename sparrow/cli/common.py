@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
+from sparrow.typed_config import check_int
 from sparrow.rl.distill import check_adapter_dir, load_adapter
 from sparrow.schedules import Schedule, parse_schedule
 
@@ -81,12 +83,14 @@ class RolloutOptions:
     backend: str = "native"
     rollout_workers: int = 0
     ray_address: str | None = None
+    cpus_per_worker: int | None = None
 
     def validate(self) -> None:
-        from sparrow.rollout.factory import check_backend
+        from sparrow.rollout.factory import check_backend, check_rollout_workers
 
-        if isinstance(self.rollout_workers, bool) or self.rollout_workers < 0:
-            raise SparrowError(f"rollout_workers must be an integer >= 0, got {self.rollout_workers!r}")
+        check_rollout_workers(self.rollout_workers, self.ray_address, self.device)  # `device`: of ModelOptions
+        if self.cpus_per_worker is not None:
+            check_int("cpus_per_worker", self.cpus_per_worker, 1)
         check_backend(self.backend, self.rollout_workers, self.ray_address)
 
     def make_backend(self, options: ModelOptions, model, tokenizer, max_batch_size: int = 64):
@@ -96,7 +100,7 @@ class RolloutOptions:
         spec = ModelSpec(options.model, options.dtype, options.device, options.sparse_config(), max_batch_size,
                          adapter=options.adapter)
         return create_backend(model, tokenizer, spec, self.rollout_workers, self.ray_address, log=_to_stderr,
-                              backend=self.backend)
+                              cpus_per_worker=self.cpus_per_worker, backend=self.backend)
 
 
 ROLLOUT_HELP = {
@@ -105,6 +109,7 @@ ROLLOUT_HELP = {
     "rollout_workers": "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
     "ray_address": "attach to a Ray cluster (started with `ray start --head`; `auto` on its head node) instead of "
                    "starting a local one",
+    "cpus_per_worker": "CPUs and torch threads of each Ray worker (default: the free CPUs divided by the workers)",
 }
 
 
@@ -123,7 +128,8 @@ def require_file(path: str | None, what: str) -> Path:
 
 def check_output(path: str, what: str, directory: bool) -> None:
     """Refuse, before any work, an output that cannot be made: an existing file where a directory goes (or an
-    existing directory where a file goes), or a path under an existing file."""
+    existing directory where a file goes), a path under an existing file, or one whose nearest existing directory
+    this process cannot write in."""
     target = Path(path)
     if directory and target.exists() and not target.is_dir():
         raise SparrowError(f"{what} {path!r} is an existing file; expected a directory (existing or new)")
@@ -133,4 +139,7 @@ def check_output(path: str, what: str, directory: bool) -> None:
         if parent.exists():
             if not parent.is_dir():
                 raise SparrowError(f"{what} {path!r} lies under {str(parent)!r}, which is a file, not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise SparrowError(f"{what} {path!r} cannot be written: directory {str(parent)!r} is not writable "
+                                   "(read-only or no permission); expected a path in a writable directory")
             return

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import compare, hardware, paper_cost
+from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, hardware, paper_cost
 from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
 
@@ -36,9 +36,7 @@ class CostConfig:
     def validate(self) -> None:
         if self.schedule is None:
             raise SparrowError("give --schedule (a sparse schedule to compare with dense attention)")
-        for name in ("prompt_len", "gen_len", "samples"):
-            if getattr(self, name) < 1:
-                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_trajectory(self.prompt_len, self.gen_len, self.samples)
         if self.parsed_schedule().is_dense:
             raise SparrowError("schedule 'dense' leaves nothing to compare; give a sparse --schedule")
         self.page_size_list()
@@ -76,8 +74,8 @@ HELP = {
     "model": "smollm2-135m, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny-llama, tiny-qwen2, tiny-qwen3 or a "
              "local Hugging Face model directory (only its config.json is read)",
     "schedule": "sparse schedule: const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON file",
-    "prompt_len": "prompt tokens (one shared prefill)",
-    "gen_len": "generated tokens per sample (decode steps)",
+    "prompt_len": f"prompt tokens (one shared prefill), at most {MAX_LENGTH:,}",
+    "gen_len": f"generated tokens per sample (decode steps), at most {MAX_LENGTH:,}",
     "samples": "samples decoded together from the prompt",
     "hardware": "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)",
     "peak_flops": "peak dense FLOP/s (overrides the preset)",

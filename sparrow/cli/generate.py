@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from sparrow.datasets import read_prompts
-from sparrow.engine import SamplingParams, as_chat
+from sparrow.engine import SamplingParams, as_chat, content_keys
 from sparrow.errors import SparrowError
 
 from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, require_file
@@ -68,7 +68,8 @@ def run(args) -> int:
     backend = config.make_backend(config, model, tokenizer, config.max_batch_size)
     try:
         completions = backend.generate(as_chat(prompts) if config.chat else prompts, config.sampling(),
-                                       config.parsed_schedule(), config.num_samples, progress=not config.json)
+                                       config.parsed_schedule(), config.num_samples, progress=not config.json,
+                                       prompt_keys=content_keys(prompts))
     finally:
         backend.close()
     for c in completions:

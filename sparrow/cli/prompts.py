@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
 from sparrow.tasks import get_task
+from sparrow.tasks.fitting import prompt_length
 
 from .common import check_output
 from .config import add_config_options, load_config
@@ -48,14 +49,26 @@ def run(args) -> int:
     config = load_config(PromptsConfig, args)
     from sparrow.models import load_model
 
-    _, tokenizer = load_model(config.model)
+    model, tokenizer = load_model(config.model)
+    context = model.config.max_position_embeddings
+    _check_fits(config, "at least", config.min_tokens, context)  # before building prompts that long
     rows = get_task(config.task)(config.count, config.min_tokens, config.seed, tokenizer)
+    _check_fits(config, "up to", max(prompt_length(tokenizer, row["prompt"]) for row in rows), context)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:
         atomic_write_text(config.out, text)
     else:
         print(text, end="")
     return 0
+
+
+def _check_fits(config: PromptsConfig, bound: str, tokens: int, context: int) -> None:
+    """Refuse prompts of `tokens` tokens that fill the model's `context` positions, leaving none for an answer."""
+    if tokens >= context:
+        raise SparrowError(f"min_tokens {config.min_tokens} makes prompts of {bound} {tokens} tokens (whole ledger "
+                           f"entries, question and chat template included), but model {config.model!r} has "
+                           f"max_position_embeddings {context}, which must also hold the answer; expected a smaller "
+                           "min_tokens")
 
 
 def add_parser(sub) -> None:

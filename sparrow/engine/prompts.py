@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import Counter
+
 from sparrow.errors import SparrowError
 
 Prompt = str | list[dict] | list[int]
@@ -10,6 +14,23 @@ Prompt = str | list[dict] | list[int]
 def as_chat(prompts: list[Prompt]) -> list[Prompt]:
     """Text prompts as one user message each, so that whatever backend samples them applies the chat template."""
     return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+
+
+def content_keys(prompts: list[Prompt], limit: int = 2**32) -> list[int]:
+    """A random-stream key per prompt from its content and the number of identical prompts before it, so that with
+    a seed the samples of a prompt do not depend on the other prompts of a file or their order. Distinct keys in
+    [0, limit): a hash collision (rare) takes the next free key."""
+    keys, copies, taken = [], Counter(), set()
+    for prompt in prompts:
+        text = json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+        digest = hashlib.sha256(f"{copies[text]}:{text}".encode()).digest()
+        copies[text] += 1
+        key = int.from_bytes(digest[:8], "big") % limit
+        while key in taken:
+            key = (key + 1) % limit
+        taken.add(key)
+        keys.append(key)
+    return keys
 
 
 def chat_template_mode(messages: list[dict]) -> dict:

@@ -3,14 +3,22 @@
 Input: a profile (see profiling.py) measured with several schedules, binned by total cached length. For every
 bin, each profiled schedule offers the budget it had there and the 5th percentile it reached; the calibrated
 schedule takes the smallest budget whose 5th percentile is at least tau + margin (with enough tokens to trust
-it), then is made non-decreasing in length, so a longer sequence never gets less than a shorter one.
+it), then is made non-decreasing in length, so a longer sequence never gets less than a shorter one. No budget
+is below the always-kept pages (sink and recent), which every schedule must cover: a short bin measured dense
+gets that minimum, under which its lengths still run dense.
+
+With a minimum reward retention (profiles made with a reward), a schedule whose retention estimate is below it
+offers nothing, and every bin gets at least the budget of the cheapest schedule that kept the reward, so the
+composed schedule is never cheaper than a schedule known to keep it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.measure.retention import Retention
 from sparrow.schedules import Schedule
 
 
@@ -74,6 +82,18 @@ def check_profile(profile, source: str = "the profile") -> None:
                     raise SparrowError(f"{source}: schedule {name!r}, {what} {position}: {problem}")
 
 
+def always_kept_pages(meta: dict, source: str = "the profile") -> int:
+    """The pages every sparse step of the profile kept: meta.sparse's sink and recent pages (SparseConfig's
+    defaults when absent)."""
+    sparse, kept = meta.get("sparse", {}), 0
+    for name, least in (("sink_pages", 0), ("recent_pages", 1)):
+        value = sparse.get(name, getattr(SparseConfig, name))
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise SparrowError(f"{source}: meta.sparse.{name} is {_short(value)}; expected an integer >= {least}")
+        kept += value
+    return kept
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -93,9 +113,52 @@ def offered_budget(spec: dict, start: int, end: int, page_size: int) -> int:
     return max(inside + before[-1:])
 
 
+def profile_retention(profile: dict) -> dict[str, Retention]:
+    """Each profiled schedule's reward retention (written by 'sparrow profile --reward'); refuses a profile
+    without it."""
+    out = {}
+    for name, spec in profile["schedules"].items():
+        reward = spec.get("reward")
+        data = reward.get("retention") if isinstance(reward, dict) else None
+        if data is None:
+            raise SparrowError(f"the profile has no reward data (schedule {name!r}); re-run 'sparrow profile' with "
+                               "--reward NAME to calibrate with --min-retention")
+        if not isinstance(data, dict) or set(data) != set(Retention.__dataclass_fields__) or not all(
+                data[k] is None or (isinstance(data[k], (int, float)) and not isinstance(data[k], bool))
+                for k in ("value", "low", "high")):
+            raise SparrowError(f"schedule {name!r}: reward.retention is {_short(data)}; expected the object "
+                               "'sparrow profile --reward' writes")
+        out[name] = Retention(**data)
+    return out
+
+
+def eligible_schedules(profile: dict, min_retention: float) -> list[str]:
+    """The profiled schedules whose retention estimate reaches `min_retention`; a SparrowError naming each
+    schedule's retention when none does."""
+    if isinstance(min_retention, bool) or not isinstance(min_retention, (int, float)) \
+            or not 0.0 < min_retention <= 1.0:
+        raise SparrowError(f"min_retention must be in (0, 1], got {min_retention}")
+    retention = profile_retention(profile)
+    eligible = [n for n, r in retention.items() if r.value is not None and r.value >= min_retention]
+    if not eligible:
+        found = ", ".join(f"{n} {'n/a' if r.value is None else f'{r.value:.3f}'}" for n, r in retention.items())
+        raise SparrowError(f"no profiled schedule keeps a reward retention of {min_retention} ({found}); profile "
+                           "larger budgets or lower --min-retention")
+    return eligible
+
+
+def retention_floor(profile: dict, min_retention: float, page_size: int = 16) -> str:
+    """The cheapest eligible schedule (cost: the sum of its budgets over every profiled length bin)."""
+    edges = {(b["start"], b["end"]) for spec in profile["schedules"].values() for b in spec["bins"]}
+    schedules = profile["schedules"]
+    return min(eligible_schedules(profile, min_retention),
+               key=lambda n: sum(offered_budget(schedules[n], s, e, page_size) for s, e in edges))
+
+
 def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 50,
-              page_size: int = 16) -> tuple[Schedule, list[BinChoice]]:
-    """The calibrated schedule and, per bin, what was chosen and why."""
+              page_size: int = 16, min_retention: float | None = None) -> tuple[Schedule, list[BinChoice]]:
+    """The calibrated schedule and, per bin, what was chosen and why. With `min_retention` only schedules whose
+    reward retention estimate reaches it are candidates, and no bin gets less than `retention_floor` gives it."""
     if not 0.0 < tau <= 1.0:
         raise SparrowError(f"tau must be in (0, 1], got {tau}")
     if not 0.0 <= margin < 1.0:
@@ -105,12 +168,17 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     if meta.get("length_origin", "total") != "total":
         raise SparrowError("calibration needs a profile binned by total cached length (--length-origin total), "
                            "the length schedules are keyed by")
+    kept = always_kept_pages(meta)
     schedules = profile["schedules"]
+    floor = None
+    if min_retention is not None:
+        floor = schedules[retention_floor(profile, min_retention, page_size)]
+        schedules = {n: schedules[n] for n in eligible_schedules(profile, min_retention)}
     by_bin: dict[int, list[tuple[int, float, int, str]]] = {}
     edges: dict[int, tuple[int, int]] = {}
     for name, spec in schedules.items():
         for b in spec["bins"]:
-            budget = offered_budget(spec, b["start"], b["end"], page_size)
+            budget = max(offered_budget(spec, b["start"], b["end"], page_size), kept * page_size)
             by_bin.setdefault(b["bin"], []).append((budget, b["p5"], b["count"], name))
             edges[b["bin"]] = (b["start"], b["end"])
     need = tau + margin
@@ -135,7 +203,8 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
         raise SparrowError("no profiled budget reaches tau in these bins:\n  " + "\n  ".join(failures))
     budgets, running = [], 0
     for choice in choices:
-        running = max(running, choice.budget)
+        least = 0 if floor is None else offered_budget(floor, choice.start, choice.end, page_size)
+        running = max(running, choice.budget, least)
         budgets.append(running)
     starts, values = [], []
     for i, (choice, budget) in enumerate(zip(choices, budgets)):
@@ -143,4 +212,6 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
             continue
         starts.append(0 if i == 0 else choice.start)
         values.append(budget)
-    return Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values)), choices
+    schedule = Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values))
+    schedule.validate(page_size, kept)  # what every --schedule option will check: refused here, not there
+    return schedule, choices

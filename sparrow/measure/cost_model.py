@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
+from sparrow.typed_config import check_int
 
 _CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size")
@@ -186,6 +188,19 @@ def _add(intensity: float, a: StepCost, b: StepCost) -> StepCost:
     return _cost(intensity, **{n: getattr(a, n) + getattr(b, n) for n in names})
 
 
+MAX_LENGTH = 10**7
+"""The longest prompt_len or gen_len priced: beyond any model's context, and a trajectory's per-step arrays stay
+near 1 GB at this length."""
+
+
+def check_trajectory(prompt_len, gen_len, samples) -> None:
+    """Refuse lengths that are not integers from 1 to MAX_LENGTH, and samples that is not an integer >= 1."""
+    for what, value in (("prompt_len", prompt_len), ("gen_len", gen_len)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_LENGTH:
+            raise SparrowError(f"{what} must be an integer from 1 to {MAX_LENGTH:,} tokens, got {value!r}")
+    check_int("samples", samples, 1)
+
+
 def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv):
     """Raise SparrowError for settings the model cannot price."""
     if page_size < 1:
@@ -300,9 +315,7 @@ def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_le
     at that length. Steps are counted in closed form (dense) or with numpy over all steps at once (sparse).
     """
     _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
-    for what, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("samples", samples)):
-        if value < 1:
-            raise SparrowError(f"{what} must be >= 1, got {value}")
+    check_trajectory(prompt_len, gen_len, samples)
     first, last = prompt_len + 1, prompt_len + gen_len
     sum_cached = (first + last) * gen_len // 2
     if schedule.is_dense:

@@ -13,6 +13,7 @@ state complete) and falls back past damaged ones.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from .distill import ADAPTER_MARK, SwitchState
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_DIR = "adapter"
+_FULL_BELOW = 64 * 2**20  # free bytes under which a failed checkpoint write is put down to a full disk
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -71,8 +73,12 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, st
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-    except BaseException:
+    except BaseException as err:
+        full = _disk_full(err, staging)
         shutil.rmtree(staging, ignore_errors=True)
+        if full:
+            raise SparrowError(f"no space left on device while writing {final}; nothing of it was kept: free some "
+                               "space, then --resume continues from the last complete checkpoint") from None
         raise
     fsync_dir(output_dir)
     # Prune among steps up to this one: a later checkpoint here is a damaged one a resume skipped, and must not
@@ -80,6 +86,17 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, st
     for _, old in [c for c in list_checkpoints(output_dir) if c[0] <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(err: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of space: ENOSPC, or an error of torch or safetensors (which do not keep the
+    errno) on a disk now all but full."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return isinstance(err, Exception) and shutil.disk_usage(where).free < _FULL_BELOW
+    except OSError:
+        return False
 
 
 def _fsync_tree(root: Path) -> None:

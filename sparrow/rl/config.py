@@ -17,7 +17,7 @@ from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
-from sparrow.rollout.factory import check_backend
+from sparrow.rollout.factory import check_backend, check_rollout_workers
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
@@ -83,6 +83,9 @@ class SamplingSection:
     def validate(self) -> None:
         check_finite("temperature", self.temperature, 0, low_open=True)  # training needs a sampled policy
         self.params(seed=0)
+        if self.num_logprobs == 0:
+            raise SparrowError("num_logprobs must be >= 1 in training: the acceptance monitor bounds each rollout "
+                               "token with its top-K log-probs; got 0")
 
     def params(self, seed: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -175,13 +178,20 @@ class GRPOSection:
 class MonitorSection:
     """How the acceptance tail of the rollouts is watched. `exact`: every `monitor_every`-th step, the rollouts of
     a `monitor_share` of the groups are teacher-forced through the sparse actor and compared with the dense
-    recompute's full distributions; `bounds`: top-K log-prob bounds only (no extra forward)."""
+    recompute's full distributions; `bounds`: top-K log-prob bounds only (no extra forward). The reward check:
+    every `reward_check_every`-th step (0: never) of sparse rollouts, the first `reward_check_samples` samples of
+    the first `reward_check_prompts` prompts are also drawn densely with the same seeds and scored, and a
+    retention whose interval lies below `min_retention` is warned about."""
 
     tau: float = 0.86
     bin_size: int = 2000
     monitor: str = "exact"
     monitor_every: int = 1
     monitor_share: float = 1.0
+    reward_check_every: int = 4
+    reward_check_prompts: int = 1
+    reward_check_samples: int = 4
+    min_retention: float = 0.9
 
     def validate(self) -> None:
         check_finite("tau", self.tau, 0, 1)
@@ -189,6 +199,10 @@ class MonitorSection:
         check_int("monitor_every", self.monitor_every, 1)
         _check_choice("monitor", self.monitor, MONITORS)
         check_finite("monitor_share", self.monitor_share, 0, 1, low_open=True)
+        check_int("reward_check_every", self.reward_check_every, 0)
+        check_int("reward_check_prompts", self.reward_check_prompts, 1)
+        check_int("reward_check_samples", self.reward_check_samples, 1)
+        check_finite("min_retention", self.min_retention, 0, low_open=True)
 
 
 @dataclass
@@ -225,14 +239,16 @@ class RolloutSection:
     backend: str = "native"
     workers: int = _flag("rollout_workers", 0)
     ray_address: str | None = None
+    cpus_per_worker: int | None = None
     wire_dtype: str | None = None
     max_batch_size: int = 64
 
     def validate(self) -> None:
         check_backend(self.backend, self.workers, self.ray_address)
+        if self.cpus_per_worker is not None:
+            check_int("cpus_per_worker", self.cpus_per_worker, 1)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
-        check_int("rollout_workers", self.workers, 0)
         check_int("max_batch_size", self.max_batch_size, 1)
 
 
@@ -289,6 +305,7 @@ class TrainConfig:
         for section in (self.model, self.sampling, self.data, self.grpo, self.monitor, self.adaptive, self.eval,
                         self.rollout, self.run):
             section.validate()
+        check_rollout_workers(self.rollout.workers, self.rollout.ray_address, self.model.device)
         distill = self.distill
         adaptive = self.sparse.schedule == "adaptive"
         schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)

@@ -6,6 +6,7 @@ same run.
   when the lock is free is a run that was killed: taken over with a warning.
 - `config_differences` / `check_resume_config` refuse a resume whose options differ from the saved ones, except
   `RESUMABLE_OPTIONS` under --allow-changes.
+- `data_fingerprint` / `check_resume_data` refuse a resume whose data file changed, except under --allow-changes.
 - `repair_metrics` cuts a JSONL log back to what the checkpoint being resumed from had seen.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_text, parse_jsonl
+from sparrow.io import atomic_write_text, parse_jsonl, read_jsonl_text
 
 LOCK_NAME = "run.lock"
 
@@ -31,14 +33,15 @@ LOCK_NAME = "run.lock"
 IGNORED_OPTIONS = frozenset({"output_dir", "resume", "allow_changes"})
 # Options a resumed run may change under --allow-changes: how long it runs and what it keeps; where and in what
 # batches it computes (device, the rollout section, the batch of the forwards without gradients); the held-out
-# evaluation and the acceptance monitoring, which read the policy without changing it; what to do on a non-finite
-# update; the code-reward sandbox opt-in. Everything else (model, data, seed, group shape, sampling, losses,
-# optimizer, schedules, tau and bins, adapter) would make the continued run a different one. A name matches an
-# option of that name in any section (`steps` matches `grpo.steps`), a dotted name exactly that option, and a
-# section name the whole section (`eval` matches `eval.every`).
+# evaluation, the acceptance monitoring and the reward check, which read the policy without changing it; what to
+# do on a non-finite update; the code-reward sandbox opt-in. Everything else (model, data, seed, group shape,
+# sampling, losses, optimizer, schedules, tau and bins, adapter) would make the continued run a different one. A
+# name matches an option of that name in any section (`steps` matches `grpo.steps`), a dotted name exactly that
+# option, and a section name the whole section (`eval` matches `eval.every`).
 RESUMABLE_OPTIONS = frozenset({"steps", "save_every", "keep_last", "device", "rollout", "eval", "monitor.monitor",
                                "monitor_every", "monitor_share", "non_finite", "unsafe_code_reward",
-                               "log_prob_micro_batch_size"})
+                               "log_prob_micro_batch_size", "reward_check_every", "reward_check_prompts",
+                               "reward_check_samples", "min_retention"})
 
 _STAGING = re.compile(r"^\.checkpoint-\d+\..+")  # save_checkpoint's temporary directories
 _ABSENT = object()
@@ -249,6 +252,30 @@ def check_resume_config(saved: dict, current: dict, allow_changes: bool, where: 
                        "--output-dir")
 
 
+def data_fingerprint(path: str | os.PathLike, rows: list) -> dict:
+    """What a resume checks of the data file: its path, its size in bytes, and the number and a hash of the rows
+    read from it (`Example`s: prompt, answer and the other columns)."""
+    content = json.dumps([[r.prompt, r.answer, r.columns] for r in rows], sort_keys=True, default=str)
+    return {"path": str(path), "bytes": os.path.getsize(path), "rows": len(rows),
+            "sha256": hashlib.sha256(content.encode("utf-8", "surrogatepass")).hexdigest()}
+
+
+def check_resume_data(saved: dict | None, current: dict, allow_changes: bool,
+                      where: str = "the checkpoint") -> list[str]:
+    """Refuse (SparrowError naming the file and what changed) to resume on a data file that differs from the one
+    `saved` describes (None: a checkpoint from before fingerprints, not checked), unless `allow_changes`. Returns
+    the accepted changes, for the log."""
+    if saved is None or saved.get("sha256") == current["sha256"]:
+        return []
+    changes = ", ".join(f"{key} {saved.get(key)} -> {current[key]}" for key in ("bytes", "rows")
+                        if saved.get(key) != current[key]) or "same size and rows, but rows reordered or edited"
+    if not allow_changes:
+        raise SparrowError(f"data file {current['path']!r} changed since {where} was saved ({changes}); a resumed "
+                           "run would draw other prompts than the run so far: restore the file, or pass "
+                           "--allow-changes to continue on the changed data")
+    return [f"data file {current['path']!r}: {changes}"]
+
+
 def repair_metrics(path: str | os.PathLike, last_step: int, log=None) -> int:
     """Cut a run's JSONL log (metrics.jsonl, eval.jsonl) back to `last_step`, the step of the checkpoint being
     resumed from: drop rows with a larger step (written before a checkpoint the kill prevented; the resumed run
@@ -257,7 +284,7 @@ def repair_metrics(path: str | os.PathLike, last_step: int, log=None) -> int:
     path = Path(path)
     if not path.is_file():
         return 0
-    text = path.read_text(encoding="utf-8")
+    text = read_jsonl_text(path)
     rows, torn = parse_jsonl(text, str(path), torn_tail_ok=True)
     for number, row in rows:
         if not isinstance(row.get("step"), int):

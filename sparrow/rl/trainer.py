@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
-from sparrow.engine import encode_prompt
+from sparrow.engine import Completion, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.io import append_jsonl
 from sparrow.models import load_model, resolve_device, resolve_dtype
+from sparrow.rewards.scoring import score_examples
 from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.typed_config import to_nested
 
@@ -28,11 +29,12 @@ from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_s
 from .config import TrainConfig
 from .distill import Distiller, SwitchState, attach_adapter, base_parameters, observe_probe, probe
 from .report import write_report
-from .run_dir import RunLock, check_resume_config, repair_metrics
+from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
 from .step import Policy, run_step, step_metrics
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
 _PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
+_STAND_INS = ("1", "The answer is 2.")  # completions `_check_reward_functions` scores before the first rollout
 
 
 def _print(message: str) -> None:
@@ -55,8 +57,19 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     spec = ModelSpec(config.model.name, config.model.dtype, config.model.device, config.parsed.sparse,
                      rollout.max_batch_size, distill=config.distill if config.distill.enabled else None)
     backend = create_backend(model, tokenizer, spec, rollout.workers, rollout.ray_address, log=log,
-                             wire_dtype=rollout.wire_dtype, backend=rollout.backend)
+                             cpus_per_worker=rollout.cpus_per_worker, wire_dtype=rollout.wire_dtype,
+                             backend=rollout.backend)
     return policy, backend, tokenizer
+
+
+def _check_reward_functions(rewards: list, examples: list) -> None:
+    """Score two stand-in completions of the first example once, so that a reward function that raises, returns
+    the wrong number of values or a non-finite one is refused before the model loads, not after a rollout."""
+    try:
+        score_examples(rewards, examples, [Completion(0, i, [], text=text) for i, text in enumerate(_STAND_INS)])
+    except SparrowError as err:
+        raise SparrowError(f"{err} (checked before the first rollout on the stand-in completions {_STAND_INS!r} "
+                           "of the first example)") from None
 
 
 def train(config: TrainConfig, log=_print) -> list[dict]:
@@ -68,10 +81,10 @@ def train(config: TrainConfig, log=_print) -> list[dict]:
         return _train(config, log)
 
 
-def _resume_point(config: TrainConfig, out: Path, log) -> tuple[int, Path] | None:
-    """The checkpoint to resume from (damaged newer ones skipped), after checking that the run's options are the
-    saved ones (or changed only where --allow-changes permits; `steps` may always grow); metrics logs are cut
-    back to its step."""
+def _resume_point(config: TrainConfig, out: Path, data: dict, log) -> tuple[int, Path] | None:
+    """The checkpoint to resume from (damaged newer ones skipped), after checking that the run's options and its
+    `data` fingerprint are the saved ones (or changed only where --allow-changes permits; `steps` may always grow);
+    metrics logs are cut back to its step."""
     if not config.run.resume:
         if (out / "metrics.jsonl").exists():
             raise SparrowError(f"{out} already holds a run; pass --resume to continue it or choose another "
@@ -83,10 +96,12 @@ def _resume_point(config: TrainConfig, out: Path, log) -> tuple[int, Path] | Non
         repair_metrics(out / "eval.jsonl", -1, log)
         return None
     step, path = found
-    saved = read_trainer_state(path).get("config", {})
+    state = read_trainer_state(path)
+    saved = state.get("config", {})
     if isinstance(saved.get("grpo"), dict):  # a run resumed to go further is the same run
         saved["grpo"]["steps"] = config.grpo.steps
     changes = check_resume_config(saved, to_nested(config), config.run.allow_changes, str(path))
+    changes += check_resume_data(state.get("data"), data, config.run.allow_changes, str(path))
     for change in changes:
         log(f"resuming with a changed option: {change}")
     for name in ("metrics.jsonl", "eval.jsonl"):
@@ -97,10 +112,12 @@ def _resume_point(config: TrainConfig, out: Path, log) -> tuple[int, Path] | Non
 def _train(config: TrainConfig, log) -> list[dict]:
     run, grpo = config.run, config.grpo
     out = Path(run.output_dir)
-    resume_from = _resume_point(config, out, log)
-    spec = DataSpec(config.data.path, config.data.prompt_field, config.data.answer_field)
-    examples, probes = _probe_split(config, load_examples(spec))
+    rows = load_examples(DataSpec(config.data.path, config.data.prompt_field, config.data.answer_field))
+    data = data_fingerprint(config.data.path, rows)
+    resume_from = _resume_point(config, out, data, log)
+    examples, probes = _probe_split(config, rows)
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
+    _check_reward_functions(config.parsed.rewards, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
     try:
         schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
@@ -155,7 +172,7 @@ def _train(config: TrainConfig, log) -> list[dict]:
                 _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
             if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
                 save_checkpoint(out, step + 1, policy.model, tokenizer, policy.optimizer,
-                                {"config": to_nested(config), "switch": switch.to_json(),
+                                {"config": to_nested(config), "data": data, "switch": switch.to_json(),
                                  **({"adaptive": adaptive.to_json()} if adaptive is not None else {})},
                                 run.keep_last, adapter_optimizer)
         board.close()

@@ -7,11 +7,14 @@ name, dtype, sparse settings and adapter); the trainer then keeps the twin's wei
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.typed_config import check_int
 
 from .backend import RolloutBackend
 from .native import NativeBackend
@@ -52,10 +55,8 @@ class ModelSpec:
 
     @property
     def gpu(self) -> bool:
-        """Whether each worker takes one GPU: a cuda device, or `auto` where this process sees CUDA."""
-        import torch
-
-        return self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        """Whether each worker takes one GPU (see `uses_gpu`)."""
+        return uses_gpu(self.device)
 
     def load(self):
         """(model, tokenizer) as the policy was built: the model in eval mode, with its adapter if any. A worker
@@ -77,6 +78,35 @@ class ModelSpec:
 BACKENDS = ("native", "vllm")
 
 
+def uses_gpu(device: str) -> bool:
+    """Whether a rollout worker on `device` takes one GPU: a cuda device, or `auto` where this process sees CUDA."""
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def check_rollout_workers(workers, ray_address: str | None, device: str) -> int:
+    """`workers` as an int, refused unless it is an integer >= 0 that a local Ray (no `ray_address`) can place:
+    at least one CPU of this process each, and one GPU each on a cuda device. Checked before Ray starts, which
+    otherwise takes half a minute to say so; a cluster's resources, or those of a Ray session this process has
+    open already, are checked once attached (ray_backend)."""
+    workers = check_int("rollout_workers", workers, 0)
+    ray = sys.modules.get("ray")  # an open session is used as it is, whatever its size
+    if ray_address is None and workers and not (ray is not None and ray.is_initialized()):
+        cpus = len(os.sched_getaffinity(0))
+        if workers > cpus:
+            raise SparrowError(f"rollout_workers {workers} exceeds the {cpus} CPU(s) available here: each local "
+                               f"Ray worker needs one; expected at most {cpus}, or --ray-address of a larger cluster")
+        if uses_gpu(device):
+            import torch
+
+            gpus = torch.cuda.device_count()
+            if workers > gpus:
+                raise SparrowError(f"rollout_workers {workers} on device {device!r} exceeds the {gpus} GPU(s) here: "
+                                   f"each worker takes one; expected at most {gpus}, or --device cpu")
+    return workers
+
+
 def check_backend(backend: str, workers: int, ray_address: str | None) -> None:
     """Refuse an unknown backend, or vLLM together with Ray workers, with one message."""
     if backend not in BACKENDS:
@@ -96,8 +126,7 @@ def create_backend(model, tokenizer, spec: ModelSpec, workers: int = 0, ray_addr
     `RayRolloutBackend` with `workers` actors (1 when only an address is given), each starting from `spec` and
     synced to `model`'s weights before this returns; see ray_backend.py for `cpus_per_worker` and `wire_dtype`.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise SparrowError(f"rollout_workers must be an integer >= 0 (0: rollouts in this process), got {workers!r}")
+    check_rollout_workers(workers, ray_address, spec.device)
     check_backend(backend, workers, ray_address)
     if backend == "vllm":
         return _vllm_backend(model, tokenizer, spec, log)

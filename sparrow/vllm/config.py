@@ -15,7 +15,7 @@ generate calls; the engine's own state (landmarks) does not depend on it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
@@ -70,6 +70,37 @@ def environment_for(sparse: SparseConfig, schedule: Schedule | str = DENSE) -> d
         spec = schedule
     return {ENV_SCHEDULE: spec, ENV_LANDMARK: sparse.landmark,
             ENV_DENSE_LAYERS: ",".join(str(i) for i in sparse.dense_layers), ENV_PAGE_SIZE: str(sparse.page_size)}
+
+
+_OPTIONS = ((ENV_PAGE_SIZE, "page_size"), (ENV_LANDMARK, "landmark"), (ENV_DENSE_LAYERS, "dense_layers"))
+
+
+def check_environment(sparse: SparseConfig, environ=None) -> Schedule | None:
+    """For a command that sets these variables from its own options (--backend vllm), which would overwrite the
+    user's unseen: refuse, naming the variable and its value, one the user set that is invalid or disagrees with
+    `sparse`. Returns the schedule a set SPARROW_VLLM_SCHEDULE asks for, named by its value (None if unset), for
+    `check_schedule`."""
+    env = os.environ if environ is None else environ
+    given = {name: env[name] for name in ENV_NAMES if env.get(name, "").strip()}
+    if not given:
+        return None
+    config = from_environment({**environment_for(sparse), **given})
+    for name, field in _OPTIONS:
+        if name in given and getattr(config.sparse, field) != getattr(sparse, field):
+            option = "--" + field.replace("_", "-")
+            raise SparrowError(f"{name}={given[name]!r} disagrees with the command's {option} "
+                               f"{getattr(sparse, field)!r}: with --backend vllm the command's options configure "
+                               f"Sparrow's vLLM plugin; unset {name} or pass {option} {given[name].strip()}")
+    return replace(config.schedule, name=given[ENV_SCHEDULE].strip()) if ENV_SCHEDULE in given else None
+
+
+def check_schedule(wanted: Schedule | None, schedule: Schedule) -> None:
+    """Refuse to run `schedule` when the user's SPARROW_VLLM_SCHEDULE (`wanted`, from `check_environment`) is
+    another one."""
+    if wanted is not None and (wanted.starts, wanted.budgets) != (schedule.starts, schedule.budgets):
+        raise SparrowError(f"{ENV_SCHEDULE}={wanted.name!r} disagrees with the "
+                           f"command's schedule {schedule.name!r}: with --backend vllm the command's --schedule sets "
+                           f"the plugin's schedule; unset {ENV_SCHEDULE} or pass that schedule as --schedule")
 
 
 _active: PluginConfig | None = None

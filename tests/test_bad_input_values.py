@@ -1,0 +1,96 @@
+"""Bad values of the second audit: each ends as tests/test_bad_input.py requires (exit code 2, one line
+`sparrow CMD: error: ...`, no traceback), refused before any model is loaded where the value is known then."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_bad_input import no_model_loading  # noqa: F401  (the fixture, used by name)
+
+from sparrow import models
+from sparrow.cli import main
+from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import trajectory_cost
+from sparrow.measure.model_shapes import model_dims
+from sparrow.schedules import parse_schedule
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad-values")
+    for name, message in {"no-role": {"content": "hi"}, "int-content": {"role": "user", "content": 7},
+                          "list-content": {"role": "user", "content": ["hi"]}}.items():
+        (root / f"{name}.jsonl").write_text(json.dumps({"prompt": [message]}) + "\n")
+    (root / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n"
+                                             for i in range(4)))
+    (root / "rewards.py").write_text("def one_value(prompts, completions, **kw):\n    return [1.0]\n\n"
+                                     "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(prompts)\n")
+    model, tokenizer = models.load_model("tiny-qwen3")
+    model.save_pretrained(root / "hf-no-tokenizer")
+    with torch.no_grad():
+        model.get_input_embeddings().weight[3, 5] = float("nan")
+    model.save_pretrained(root / "hf-nan")
+    tokenizer.save_pretrained(root / "hf-nan")
+    return root
+
+
+TRAIN = ["train", "--model", "tiny-qwen3", "--data", "{files}/data.jsonl", "--reward", "first_number", "--steps", "1",
+         "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4", "--schedule", "const:48",
+         "--output-dir", "{tmp}/run"]
+GEN = ["generate", "--model", "tiny-qwen3"]
+PROFILE = ["profile", "--model", "tiny-qwen3", "--out", "{tmp}/profile", "--prompts"]
+NAN = "model '{files}/hf-nan' has non-finite weights: parameter 'model.embed_tokens.weight' holds 1 NaN"
+
+# (id, argv, text the message must hold, refused before any model is loaded)
+CASES = [
+    ("generate-chat-without-role", GEN + ["--prompts", "{files}/no-role.jsonl"],
+     "no-role.jsonl:1: prompt message 0 is {'content': 'hi'}; expected a dict with a string 'role'", True),
+    ("generate-chat-int-content", GEN + ["--prompts", "{files}/int-content.jsonl"],
+     "int-content.jsonl:1: prompt message 0 has content 7; expected a string", True),
+    ("profile-chat-list-content", PROFILE + ["{files}/list-content.jsonl"],
+     "list-content.jsonl:1: prompt message 0 has content ['hi']; expected a string", True),
+    ("bench-kv-cache-too-large", ["bench", "--model", "tiny-qwen3", "--batch", "100000000", "--context", "64"],
+     "batch 100000000 x 101 cached tokens need", True),
+    ("cost-gen-len-too-large", ["cost", "--schedule", "const:64", "--gen-len", "100000000000"],
+     "gen_len must be an integer from 1 to 10,000,000 tokens, got 100000000000", True),
+    ("train-num-logprobs-zero", TRAIN + ["--num-logprobs", "0"], "num_logprobs must be >= 1 in training", True),
+    ("train-reward-wrong-count", TRAIN + ["--reward", "{files}/rewards.py:one_value"],
+     "returned 1 values for 2 completions; expected 2 (checked before the first rollout", True),
+    ("train-reward-nan", TRAIN + ["--reward", "{files}/rewards.py:nan"],
+     "returned nan for sample 0; expected a finite float (checked before the first rollout", True),
+    ("generate-rollout-workers-above-cpus", GEN + ["--prompt", "x", "--rollout-workers", "1000"],
+     "rollout_workers 1000 exceeds the", True),
+    ("train-rollout-workers-above-cpus", TRAIN + ["--rollout-workers", "1000"], "rollout_workers 1000 exceeds the",
+     True),
+    ("prompts-min-tokens-above-context", ["prompts", "--model", "tiny-qwen3", "--count", "1", "--min-tokens",
+                                          "100000"],
+     "min_tokens 100000 makes prompts of at least 100000 tokens", False),
+    ("prompts-grown-past-context", ["prompts", "--model", "tiny-qwen3", "--count", "1", "--min-tokens", "8000"],
+     "but model 'tiny-qwen3' has max_position_embeddings 8192", False),
+    ("model-dir-without-tokenizer", GEN[:1] + ["--model", "{files}/hf-no-tokenizer", "--prompt", "x"],
+     "hf-no-tokenizer' has no tokenizer files: expected one of tokenizer.json", False),
+    ("generate-nan-weights", GEN[:1] + ["--model", "{files}/hf-nan", "--prompt", "x"], NAN, False),
+    ("bench-nan-weights", ["bench", "--model", "{files}/hf-nan", "--context", "64", "--steps", "2", "--repeats", "1"],
+     NAN, False),
+    ("train-nan-weights", [*TRAIN[:2], "{files}/hf-nan", *TRAIN[3:]], NAN, False),
+]
+
+
+@pytest.mark.parametrize("argv, message, before_load", [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_bad_value_is_one_line_and_exit_code_2(argv, message, before_load, files, tmp_path, monkeypatch, capsys,
+                                               request):
+    monkeypatch.chdir(tmp_path)
+    if before_load:
+        request.getfixturevalue("no_model_loading")
+    code = main([a.format(files=files, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(f"sparrow {argv[0]}: error: "), err
+    assert message.replace("{files}", str(files)) in lines[0] and "Traceback" not in err
+
+
+def test_the_cost_model_refuses_lengths_past_its_maximum():
+    with pytest.raises(SparrowError, match="gen_len must be an integer from 1 to 10,000,000 tokens, got 1e"):
+        trajectory_cost(model_dims("tiny-qwen3"), None, parse_schedule("const:64", 16, 1), 256, 1e20, 8)
