@@ -313,3 +313,31 @@ def test_tail_stats_errors():
     _raises("bin_size", tail_stats, a, pos, 0)
     _raises(r"positions\[1\] = -1 is negative", tail_stats, a, np.array([0, -1, 2]), 10)
     _raises("not an integer", tail_stats, a, np.array([0, 1.5, 2]), 10)
+
+
+def test_p1_of_the_training_monitor_and_of_profiles_equals_numpys():
+    from sparrow.measure.tail import bin_tails
+
+    alpha = np.random.default_rng(3).beta(8, 1, 700)
+    positions = np.repeat([0, 1, 2], [123, 400, 177])
+    tails = bin_tails(alpha, positions, 1, tau=0.8)
+    stats = tail_stats(alpha, positions, 1)["bins"]
+    for t, b, values in zip(tails, stats, np.split(alpha, [123, 523])):
+        assert t.p1 == pytest.approx(np.percentile(values, 1), rel=1e-12) == b["p1"]
+        assert t.p5 == pytest.approx(np.percentile(values, 5), rel=1e-12)
+        assert t.to_json()["p1"] == t.p1 < t.p5
+
+
+def test_each_sequences_minimum_per_bin_and_overall():
+    alpha = np.array([0.9, 0.5, 1.0, 0.7, 0.99, 0.8, 0.6, 1.0])
+    positions = np.array([0, 1, 0, 1, 2, 0, 1, 2])  # bin size 2: positions 0-1 in bin 0, 2 in bin 1
+    sequences = np.array([0, 0, 1, 1, 1, 2, 2, 2])
+    out = tail_stats(alpha, positions, 2, sequences=sequences)
+    assert out["overall"]["sequences"] == 3
+    assert out["overall"]["seq_min_mean"] == pytest.approx(np.mean([0.5, 0.7, 0.6]))
+    assert out["overall"]["seq_min_p5"] == pytest.approx(np.percentile([0.5, 0.7, 0.6], 5))
+    first, second = out["bins"]
+    assert first["sequences"] == 3 and first["seq_min_mean"] == pytest.approx(np.mean([0.5, 0.7, 0.6]))
+    assert second["sequences"] == 2 and second["seq_min_mean"] == pytest.approx(np.mean([0.99, 1.0]))
+    assert "seq_min_mean" not in tail_stats(alpha, positions, 2)["overall"]
+    _raises("sequences has 2 ids for 8", tail_stats, alpha, positions, 2, sequences=[0, 1])

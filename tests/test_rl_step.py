@@ -96,6 +96,7 @@ def test_exact_warnings_say_below_only_when_the_interval_is_below_and_count_toke
     metrics, warnings = exact_metrics(below, torch.zeros(400, dtype=torch.long), monitor)
     assert len(warnings) == 1 and "is below tau 0.8" in warnings[0]
     assert metrics["mismatch/bin_0/exact_p5_high"] < 0.8 and metrics["mismatch/exact/tokens"] == 400
+    assert metrics["mismatch/bin_0/exact_p1"] == pytest.approx(float(torch.quantile(below.double(), 0.01)))
     above = torch.linspace(0.85, 1.0, 400)
     assert exact_metrics(above, torch.zeros(400, dtype=torch.long), monitor)[1] == []
     mixed = torch.cat([torch.full((6,), 0.5), torch.full((94,), 0.95)])  # 6% below tau, 100 tokens: undecided

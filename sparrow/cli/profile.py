@@ -6,10 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.datasets import read_prompts
+from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.measure.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
+from sparrow.rewards import load_reward
+from sparrow.rewards.sandbox import require_sandbox
+from sparrow.rewards.scoring import score_examples
 from sparrow.schedules import Schedule, parse_schedule, split_schedules
 
 from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, check_output, require_file
@@ -31,6 +34,8 @@ class ProfileConfig(ModelOptions, RolloutOptions):
     ignore_eos: bool = False
     max_batch_size: int = 16
     out: str = "runs/profile"
+    reward: list[str] | None = None
+    unsafe_code_reward: bool = False
 
     def validate(self) -> None:
         ModelOptions.validate(self)
@@ -46,6 +51,13 @@ class ProfileConfig(ModelOptions, RolloutOptions):
             raise SparrowError(f"length_origin must be one of {', '.join(LENGTH_ORIGINS)}, got {self.length_origin!r}")
         self.parsed_schedules()
         self.sampling()
+        self.rewards()
+        if "code" in (self.reward or []):
+            require_sandbox(allow_unsafe=self.unsafe_code_reward)
+
+    def rewards(self) -> list:
+        """[(name, function, 1.0), ...] of --reward (none without it)."""
+        return [(name, load_reward(name), 1.0) for name in self.reward or []]
 
     def parsed_schedules(self) -> dict[str, Schedule]:
         sparse = self.sparse_config()
@@ -73,12 +85,25 @@ HELP = {
     "ignore_eos": "keep sampling past end-of-sequence so every completion has max_new_tokens tokens (more tokens "
                   "per bin from short-answering models; the tokens after EOS are off the task's distribution)",
     "out": "output directory (profile.json, profile.csv, plots, raw per-token values)",
+    "reward": "reward function(s), as for train; each schedule's completions and the dense policy's paired ones "
+              "(same seed and sample) are scored, for the reward retention (the prompts' rows carry its fields)",
+    "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)",
 }
+
+
+def format_retention(retention: dict) -> str:
+    """'0.950 [0.900, 1.000]' from Retention.to_json(), with n/a where undefined."""
+    value, low, high = (retention[k] for k in ("value", "low", "high"))
+    if value is None:
+        return "n/a (dense mean reward is 0)"
+    return f"{value:.3f} " + (f"[{low:.3f}, {high:.3f}]" if low is not None else "[n/a: one prompt]")
 
 
 def run(args) -> int:
     config = load_config(ProfileConfig, args)
     prompts = read_prompts(config.prompts)
+    rewards = config.rewards()
+    examples = load_examples(DataSpec(config.prompts)) if rewards else []
     model, tokenizer = config.load()
     sparse = config.sparse_config()
     backend = config.make_backend(config, model, tokenizer, config.max_batch_size)
@@ -90,13 +115,15 @@ def run(args) -> int:
                      "max_new_tokens": config.max_new_tokens, "ignore_eos": config.ignore_eos},
         "sparse": dataclasses.asdict(sparse), "dtype": config.dtype,
         "prompt_tokens_mean": sum(len(encode_prompt(tokenizer, p, config.chat)) for p in prompts) / len(prompts),
+        **({"reward": config.reward} if rewards else {}),
     }
     if config.chat:
         prompts = as_chat(prompts)
+    reward = (lambda done: score_examples(rewards, examples, done).totals) if rewards else None
     try:
         profile = run_profile(backend, model, prompts, config.parsed_schedules(), config.sampling(),
                               config.samples_per_prompt, sparse, config.bin_size, config.length_origin,
-                              Path(config.out), meta)
+                              Path(config.out), meta, reward=reward)
     finally:
         backend.close()
     print(f"{'schedule':<22} {'tokens':>7} {'mean':>7} {'>0.999':>7} {'p5':>7}   p5 per bin")
@@ -105,6 +132,13 @@ def run(args) -> int:
         per_bin = " ".join(f"{b['p5']:.3f}" for b in stats["bins"])
         print(f"{name:<22} {stats['tokens']:>7} {overall['mean']:>7.4f} {overall['frac_above_tail']:>7.3f} "
               f"{overall['p5']:>7.4f}   {per_bin}")
+    if rewards:
+        first = next(iter(profile["schedules"].values()))["reward"]["retention"]
+        print(f"reward {'+'.join(config.reward)}: dense policy mean {first['dense_mean']:.4f} over {first['pairs']} "
+              f"paired completions of {first['prompts']} prompts")
+        print(f"{'schedule':<22} {'reward':>7}  retention [95% interval]")
+        for name, stats in profile["schedules"].items():
+            print(f"{name:<22} {stats['reward']['mean']:>7.4f}  {format_retention(stats['reward']['retention'])}")
     print(f"wrote {config.out}/profile.json, profile.csv, p5_vs_length.png, alpha_hist.png")
     return 0
 

@@ -132,14 +132,16 @@ def percentile(values, q: float) -> float:
     return _lerp(a, b, gamma)
 
 
-def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False) -> dict:
+def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False, sequences=None) -> dict:
     """Distribution of per-token alpha per position bin [k*bin_size, (k+1)*bin_size), as a JSON-ready dict.
 
     Keys: bins (non-empty, increasing; bin, start, end, count, mean, p1, p5, p50, frac_above_tail = share of
     alpha >= 0.999), overall (same stats over all tokens), pearson_alpha_position (over tokens), pearson_p5_bin
     (per-bin 5th percentile vs bin index), bin_size, and with `fit_beta` the scaled-Beta fit of the tail
     (alpha < 0.999) on [0, 0.999] as beta_fit = {a, b, scale, n, ks} (None when fewer than 20 tail values or the
-    fit fails). Positions use whatever length origin the caller chooses.
+    fit fails). With `sequences` (the sequence id of each token) every bin and overall also hold the minimum
+    alpha of each sequence (over its tokens there): sequences, seq_min_mean and seq_min_p5 over sequences.
+    Positions use whatever length origin the caller chooses.
     """
     if isinstance(bin_size, bool) or not isinstance(bin_size, (int, np.integer)) or bin_size < 1:
         raise SparrowError(f"bin_size must be an integer >= 1, got {bin_size!r}")
@@ -162,6 +164,9 @@ def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False) -> dict:
         i = _first(pos < 0)
         raise SparrowError(f"positions[{i}] = {int(pos[i])} is negative: expected positions >= 0")
     a = a.clamp(0, 1)
+    seq = None if sequences is None else _as_positions(sequences).reshape(-1)
+    if seq is not None and seq.shape != a.shape:
+        raise SparrowError(f"sequences has {seq.numel()} ids for {a.numel()} alpha values: expected one per value")
     bins = torch.div(pos, bin_size, rounding_mode="floor")
     by_alpha = torch.argsort(a, stable=True)
     order = by_alpha[torch.argsort(bins[by_alpha], stable=True)]
@@ -170,12 +175,17 @@ def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False) -> dict:
     rows, start = [], 0
     for k, c in zip(ids.tolist(), counts.tolist()):
         stats = _sorted_stats(sorted_alpha[start:start + c])
+        if seq is not None:
+            stats.update(_sequence_minima(sorted_alpha[start:start + c], seq[order[start:start + c]]))
         rows.append({"bin": k, "start": k * bin_size, "end": (k + 1) * bin_size, **stats})
         start += c
     overall_sorted = torch.sort(a).values
+    overall = _sorted_stats(overall_sorted)
+    if seq is not None:
+        overall.update(_sequence_minima(a, seq))
     out = {
         "bins": rows,
-        "overall": _sorted_stats(overall_sorted),
+        "overall": overall,
         "pearson_alpha_position": _pearson(a, pos.to(torch.float64)),
         "pearson_p5_bin": (_pearson(torch.tensor([float(r["bin"]) for r in rows], dtype=torch.float64),
                                     torch.tensor([r["p5"] for r in rows], dtype=torch.float64))
@@ -427,6 +437,16 @@ def _sorted_stats(values: torch.Tensor) -> dict:
         "p50": _percentile_sorted(values, 50.0),
         "frac_above_tail": above / n,
     }
+
+
+def _sequence_minima(values: torch.Tensor, sequences: torch.Tensor) -> dict:
+    """Over sequences, the mean and 5th percentile (numpy's linear) of each sequence's smallest value."""
+    order = np.argsort(sequences.numpy(), kind="stable")
+    ids = sequences.numpy()[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    minima = np.minimum.reduceat(values.numpy()[order], starts)
+    return {"sequences": int(minima.size), "seq_min_mean": float(minima.mean()),
+            "seq_min_p5": float(np.percentile(minima, 5))}
 
 
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float | None:

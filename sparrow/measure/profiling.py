@@ -25,33 +25,42 @@ from sparrow.io import atomic_write_json, atomic_write_text
 from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.measure.calibration import check_profile
 from sparrow.measure.metrics import tail_stats
-from sparrow.schedules import Schedule
+from sparrow.measure.retention import reward_retention
+from sparrow.schedules import DENSE, Schedule
 
 LENGTH_ORIGINS = ("total", "generated")
 
 
 @dataclass
 class ScheduleSample:
-    """Per generated token: exact acceptance, cached length when produced, index in its completion, budget."""
+    """Per generated token: exact acceptance, cached length when produced, index in its completion, budget;
+    with a reward, also the reward of each completion (ordered by prompt, then sample index)."""
 
     alpha: np.ndarray
     total_position: np.ndarray
     generated_position: np.ndarray
     kv_budget: np.ndarray
+    rewards: np.ndarray | None = None
 
     def positions(self, origin: str) -> np.ndarray:
         return self.total_position if origin == "total" else self.generated_position
 
+    def sequences(self) -> np.ndarray:
+        """The completion each token belongs to (each completion starts at generated position 0)."""
+        return np.cumsum(self.generated_position == 0) - 1
+
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp.npz")
+        rewards = {} if self.rewards is None else {"rewards": self.rewards}
         np.savez(tmp, alpha=self.alpha, total_position=self.total_position,
-                 generated_position=self.generated_position, kv_budget=self.kv_budget)
+                 generated_position=self.generated_position, kv_budget=self.kv_budget, **rewards)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> ScheduleSample:
         with np.load(path) as data:
-            return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")})
+            return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")},
+                       rewards=data["rewards"] if "rewards" in data else None)
 
 
 def prompts_hash(prompts: list) -> str:
@@ -59,9 +68,11 @@ def prompts_hash(prompts: list) -> str:
 
 
 def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling: SamplingParams,
-                     samples_per_prompt: int, sparse: SparseConfig, progress: bool = False) -> ScheduleSample:
+                     samples_per_prompt: int, sparse: SparseConfig, progress: bool = False,
+                     reward=None) -> ScheduleSample:
     """Sample with `schedule` from `backend`, then measure each token's exact acceptance against the dense policy
-    by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without)."""
+    by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without).
+    `reward` (completions -> one reward each), when given, scores the completions too."""
     completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress)
     temperature = 1.0 if sampling.greedy else sampling.temperature
     alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature, progress=progress)
@@ -72,24 +83,41 @@ def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling
         generated.append(np.arange(n))
         total.append(len(c.prompt_token_ids) + np.arange(n))
         budget.append(np.asarray(c.kv_budget))
-    return ScheduleSample(*(np.concatenate(parts) for parts in (alpha, total, generated, budget)))
+    rewards = None if reward is None else np.asarray(reward(completions), dtype=np.float64)
+    return ScheduleSample(*(np.concatenate(parts) for parts in (alpha, total, generated, budget)), rewards)
+
+
+def dense_rewards(backend, prompts: list, sampling: SamplingParams, samples_per_prompt: int, reward,
+                  progress: bool = False) -> np.ndarray:
+    """The rewards of the dense policy's completions (no adapter, dense attention) of the same prompts, seed and
+    sample indices, so completion j pairs with completion j of every profiled schedule (same random stream)."""
+    completions = backend.generate(prompts, sampling, DENSE, samples_per_prompt, adapter=False, progress=progress)
+    return np.asarray(reward(completions), dtype=np.float64)
 
 
 def summarize(samples: dict[str, ScheduleSample], bin_size: int, origin: str, fit_beta: bool = True) -> dict:
-    """Per schedule: token count, mean, share above 0.999 and per-bin tail statistics."""
+    """Per schedule: token count, mean, share above 0.999 and per-bin tail statistics (with completion minima)."""
     out = {}
     for name, sample in samples.items():
-        stats = tail_stats(sample.alpha, sample.positions(origin), bin_size, fit_beta=fit_beta)
+        stats = tail_stats(sample.alpha, sample.positions(origin), bin_size, fit_beta=fit_beta,
+                           sequences=sample.sequences())
         out[name] = {"tokens": int(sample.alpha.size), **stats}
     return out
 
 
+def reward_summary(sparse: np.ndarray, dense: np.ndarray, samples_per_prompt: int) -> dict:
+    """{mean, dense_mean, retention} of paired sparse and dense rewards, the samples of a prompt as one cluster."""
+    retention = reward_retention(sparse, dense, np.arange(len(dense)) // samples_per_prompt)
+    return {"mean": retention.sparse_mean, "dense_mean": retention.dense_mean, "retention": retention.to_json()}
+
+
 def write_csv(path: Path, summary: dict) -> None:
-    lines = ["schedule,bin,start,end,count,mean,p1,p5,p50,frac_above_0.999"]
+    lines = ["schedule,bin,start,end,count,mean,p1,p5,p50,frac_above_0.999,sequences,seq_min_mean,seq_min_p5"]
     for name, stats in summary.items():
         for b in stats["bins"]:
             lines.append(f"{name},{b['bin']},{b['start']},{b['end']},{b['count']},{b['mean']:.6f},{b['p1']:.6f},"
-                         f"{b['p5']:.6f},{b['p50']:.6f},{b['frac_above_tail']:.6f}")
+                         f"{b['p5']:.6f},{b['p50']:.6f},{b['frac_above_tail']:.6f},{b['sequences']},"
+                         f"{b['seq_min_mean']:.6f},{b['seq_min_p5']:.6f}")
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -132,13 +160,16 @@ def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample
 
 def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], sampling: SamplingParams,
                 samples_per_prompt: int, sparse: SparseConfig, bin_size: int, origin: str, out_dir: Path,
-                meta: dict, log=print) -> dict:
-    """Profile every schedule (resuming finished ones), then write profile.json, profile.csv and the plots."""
+                meta: dict, log=print, reward=None) -> dict:
+    """Profile every schedule (resuming finished ones), then write profile.json, profile.csv and the plots.
+    With `reward` (completions -> one reward each; its names in meta["reward"]) each schedule's completions are
+    scored, and so are the dense policy's paired completions (sampled once), for each schedule's retention."""
     if origin not in LENGTH_ORIGINS:
         raise SparrowError(f"unknown length origin {origin!r}: expected one of {', '.join(LENGTH_ORIGINS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     key = json.loads(json.dumps({**{k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
-                                                        "sparse", "chat", "dtype")}, "adapter": meta.get("adapter")}))
+                                                        "sparse", "chat", "dtype")}, "adapter": meta.get("adapter"),
+                      "reward": meta.get("reward")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
         try:
@@ -161,10 +192,20 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
             continue
         log(f"[{number}/{len(schedules)}] {name}: sampling {len(prompts) * samples_per_prompt} completions")
         samples[name] = profile_schedule(backend, model, prompts, schedule, sampling, samples_per_prompt, sparse,
-                                         progress=True)
+                                         progress=True, reward=reward)
         samples[name].save(path)
         log(f"    mean alpha {samples[name].alpha.mean():.4f} over {samples[name].alpha.size} tokens")
     summary = summarize(samples, bin_size, origin)
+    if reward is not None:
+        dense_path = out_dir / "dense-rewards.json"
+        if dense_path.exists():
+            dense = np.asarray(json.loads(dense_path.read_text(encoding="utf-8")), dtype=np.float64)
+        else:
+            log(f"dense policy: sampling {len(prompts) * samples_per_prompt} paired completions for the reward")
+            dense = dense_rewards(backend, prompts, sampling, samples_per_prompt, reward, progress=True)
+            atomic_write_json(dense_path, dense.tolist())
+        for name, sample in samples.items():
+            summary[name]["reward"] = reward_summary(sample.rewards, dense, samples_per_prompt)
     profile = {
         "meta": {**meta, "bin_size": bin_size, "length_origin": origin,
                  "date": datetime.datetime.now().isoformat(timespec="seconds")},

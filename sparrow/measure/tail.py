@@ -24,6 +24,7 @@ class BinTail:
     end: int
     count: int
     mean: float
+    p1: float  # the 1st percentile (numpy's linear interpolation, as p5): damage below the 5th
     p5: float
     p5_low: float
     p5_high: float
@@ -69,7 +70,7 @@ def bin_tails(alpha, positions, bin_size: int, tau: float, q: float = 0.05,
         values = alpha[bins == b]
         low, p5, high = quantile_interval(values, q, confidence)
         verdict = "below" if high < tau else "above" if low >= tau else "undecided"
-        out.append(BinTail(int(b) * bin_size, (int(b) + 1) * bin_size, int(values.size), float(values.mean()), p5,
-                           low, high, float(np.mean(values > 0.999)), verdict,
+        out.append(BinTail(int(b) * bin_size, (int(b) + 1) * bin_size, int(values.size), float(values.mean()),
+                           float(np.quantile(values, 0.01)), p5, low, high, float(np.mean(values > 0.999)), verdict,
                            tokens_to_decide(values, tau, q, confidence) if verdict == "undecided" else None))
     return out

@@ -130,6 +130,44 @@ def _plot_phases(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
+RETENTION = "mismatch/reward_retention"
+
+
+def _retention(runs: dict, path: Path) -> list[str]:
+    """The reward check's retention per step with its 95% interval (retention.png) and, per run, its median
+    next to the check's and the step's median seconds; nothing for runs without checks."""
+    checked = {name: [r for r in rows if all(_is_number(r.get(RETENTION + s)) and math.isfinite(r[RETENTION + s])
+                                             for s in ("", "_low", "_high"))] for name, rows in runs.items()}
+    checked = {name: rows for name, rows in checked.items() if rows}
+    if not checked:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name, rows in checked.items():
+        values = [r[RETENTION] for r in rows]
+        ax.errorbar([r["step"] for r in rows], values, marker="o", capsize=3, label=name,
+                    yerr=[[v - r[RETENTION + "_low"] for v, r in zip(values, rows)],
+                          [r[RETENTION + "_high"] - v for v, r in zip(values, rows)]])
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("sparse / dense mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle("Reward retention on paired samples (95% interval)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    lines = ["", "Reward check (sparse over dense mean reward of paired samples; median over the check steps):", ""]
+    lines += [f"- {name}: retention {median(r[RETENTION] for r in rows):.3f} over {len(rows)} checks, check "
+              f"{_median(rows, 'time/reward_check_s'):.2f} s of a {_median(rows, 'time/step_s'):.2f} s step"
+              for name, rows in checked.items()]
+    return lines + ["", f"![reward retention]({path.name})"]
+
+
 def _bin_keys(runs: dict, prefix: str, suffix: str) -> list[str]:
     """The per-length-bin metric names `<prefix><start>/<suffix>` of any run, by bin start."""
     keys = {k for rows in runs.values() for r in rows for k in r if k.startswith(prefix) and k.endswith(suffix)}
@@ -183,6 +221,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
         lines += ["", "![tail acceptance per bin](mismatch.png)"]
     if budget_keys:
         lines += ["", "![adaptive schedule](schedule.png)"]
+    lines += _retention(runs, out_dir / "retention.png")
     warnings = [f"- {name}, step {r['step']}: {w}" for name, rows in runs.items() for r in rows
                 for w in r.get("mismatch/warnings", [])]
     lines += ["", "## Mismatch warnings", ""] + (warnings or ["none"])

@@ -1,11 +1,13 @@
 """One GRPO step on sparse rollouts, in phases over one `StepBatch`:
 
-    rollout -> score -> advantages -> recompute -> update -> sync -> metrics
+    (reward check) -> rollout -> score -> advantages -> recompute -> update -> sync -> metrics
 
-`rollout` asks the backend for completions; `score` runs the reward functions; `advantages` normalizes them per
-group (an estimator chosen by name); `recompute` runs the dense policy over the rollouts (pi_old, the top-K
-acceptance bounds, the exact acceptance of a share of the groups, the KL reference, the TIS weights); `update`
-takes the clipped-PPO steps (and DistillSparse's adapter step); the backend then gets the new weights.
+The reward check, on some steps, samples a few prompts densely with the rollouts' seeds to measure how much
+reward the sparse actor keeps; it is logged only and never enters the update. `rollout` asks the backend for
+completions; `score` runs the reward functions; `advantages` normalizes them per group (an estimator chosen by
+name); `recompute` runs the dense policy over the rollouts (pi_old, the top-K acceptance bounds, the exact
+acceptance of a share of the groups, the KL reference, the TIS weights); `update` takes the clipped-PPO steps
+(and DistillSparse's adapter step); the backend then gets the new weights.
 The dense policy's log-probs are computed with the model's own attention (no Sparrow context: dense).
 """
 
@@ -25,11 +27,12 @@ from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
 from sparrow.measure.metrics import acceptance_bounds, tail_stats
+from sparrow.measure.retention import reward_retention
 from sparrow.measure.tail import bin_tails
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend
-from sparrow.schedules import Schedule
+from sparrow.schedules import DENSE, Schedule
 
 from .batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from .config import GRPOSection, MonitorSection, SamplingSection
@@ -87,6 +90,7 @@ class StepBatch:
     timing: dict = field(default_factory=dict)
     update: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    dense_rewards: list[float] | None = None  # the reward check's dense samples, on check steps only
 
 
 class _Clock:
@@ -109,6 +113,28 @@ def _pieces(step: StepBatch, rows: torch.Tensor, cfg: StepConfig, grad: bool = T
 
 
 # -- phases ---------------------------------------------------------------------------------------------------
+
+
+def reward_check(backend: RolloutBackend, step: StepBatch, reward_fns: list, cfg: StepConfig, seed: int,
+                 number: int) -> None:
+    """On every `reward_check_every`-th step (numbered from 1) of sparse rollouts: the first `reward_check_samples`
+    samples of the first `reward_check_prompts` prompts drawn by the dense policy (adapter off) with the rollouts'
+    seed, prompt keys and sample indices, so dense sample s pairs with sparse sample s (sample s of n is sample s
+    of the rollout's num_generations), and scored by the same rewards. Runs before the rollout, so the backend's
+    timing and stats stay the rollout's; its samples never reach the update."""
+    every = cfg.monitor.reward_check_every
+    if not every or number < 1 or number % every or step.schedule.is_dense:
+        return
+    examples = step.examples[:cfg.monitor.reward_check_prompts]
+    with _Clock(step, "reward_check"):
+        dense = backend.generate([ex.prompt for ex in examples], cfg.sampling.params(seed), DENSE,
+                                 check_samples(cfg), adapter=False)
+        step.dense_rewards = score_examples(reward_fns, examples, dense).totals
+
+
+def check_samples(cfg: StepConfig) -> int:
+    """Samples per prompt of the reward check: `reward_check_samples`, at most the group's."""
+    return min(cfg.monitor.reward_check_samples, cfg.grpo.num_generations)
 
 
 def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
@@ -313,8 +339,8 @@ def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: Monitor
     warnings = []
     for t in tails:
         prefix = f"mismatch/bin_{t.start}/exact"
-        metrics.update({f"{prefix}_p5": t.p5, f"{prefix}_p5_low": t.p5_low, f"{prefix}_p5_high": t.p5_high,
-                        f"{prefix}_mean": t.mean, f"{prefix}_tokens": t.count})
+        metrics.update({f"{prefix}_p1": t.p1, f"{prefix}_p5": t.p5, f"{prefix}_p5_low": t.p5_low,
+                        f"{prefix}_p5_high": t.p5_high, f"{prefix}_mean": t.mean, f"{prefix}_tokens": t.count})
         where = f"length bin [{t.start}, {t.end}): 5th percentile of exact acceptance"
         interval = f"{t.p5:.3f} (95% interval {t.p5_low:.3f}..{t.p5_high:.3f}, {t.count} tokens)"
         if t.verdict == "below":
@@ -323,6 +349,26 @@ def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: Monitor
             more = (f"about {t.tokens_to_decide} more tokens would decide it" if t.tokens_to_decide is not None
                     else "it sits at tau")
             warnings.append(f"{where} is undecided against tau {monitor.tau}: {interval}; {more}")
+    return metrics, warnings
+
+
+def reward_check_metrics(totals: list[float], dense: list[float], group_size: int, samples: int,
+                         level: float) -> tuple[dict, list[str]]:
+    """The reward check's retention (the mean reward of the rollouts' first `samples` samples of each checked
+    prompt, in groups of `group_size` in `totals`, over that of their `dense` twins) with its 95% interval, NaN
+    where undefined (dense mean 0), and a warning when the whole interval lies below `level`. Pairs are
+    clustered by prompt when there are several prompts; one prompt's pairs are the units themselves."""
+    prompts = len(dense) // samples
+    sparse = [totals[p * group_size + s] for p in range(prompts) for s in range(samples)]
+    kept = reward_retention(sparse, dense, [i // samples for i in range(len(dense))] if prompts > 1 else None)
+    value, low, high = (float("nan") if v is None else v for v in (kept.value, kept.low, kept.high))
+    metrics = {"mismatch/reward_retention": value, "mismatch/reward_retention_low": low,
+               "mismatch/reward_retention_high": high, "mismatch/reward_check_sparse_mean": kept.sparse_mean,
+               "mismatch/reward_check_dense_mean": kept.dense_mean}
+    warnings = []
+    if kept.verdict(level) == "lost":
+        warnings.append(f"reward retention {value:.3f} (95% interval {low:.3f}..{high:.3f}, {kept.pairs} paired "
+                        f"samples of {prompts} prompt(s)) is below min_retention {level}")
     return metrics, warnings
 
 
@@ -343,6 +389,11 @@ def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
     if step.exact is not None and step.exact.numel():
         exact, warnings = exact_metrics(step.exact, step.exact_at, cfg.monitor)
         mismatch.update(exact)
+    if step.dense_rewards is not None:
+        checked, lost = reward_check_metrics(step.scored.totals, step.dense_rewards, cfg.grpo.num_generations,
+                                             check_samples(cfg), cfg.monitor.min_retention)
+        mismatch.update(checked)
+        warnings = warnings + lost
     diff = (batch.rollout_logprobs - step.logp_old)[valid].abs()
     ratio = tis_stats(step.logp_old, batch.rollout_logprobs, batch.mask, cfg.grpo.tis_cap)
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
@@ -384,6 +435,7 @@ def run_step(policy: Policy, backend: RolloutBackend, examples: list[Example], r
     """
     step = StepBatch(examples, schedule, measure=dict(measure or {}))
     policy.model.eval()
+    reward_check(backend, step, reward_fns, cfg, seed, number)
     rollout(backend, step, cfg, seed)
     score(step, reward_fns)
     advantages(step, cfg)
