@@ -163,9 +163,10 @@ def no_model_loading(monkeypatch):
     assert sparrow.load_model is refuse
 
 
-@pytest.mark.parametrize("argv, message, before_load", [_param(c) for c in CASES + TRAIN_CASES])
-def test_bad_input_is_one_line_and_exit_code_2(argv, message, before_load, files, tmp_path, monkeypatch, capsys,
-                                               request):
+def check_refused(argv, message, before_load, files, tmp_path, monkeypatch, capsys, request) -> None:
+    """Run `argv` ({files} and {tmp} filled in) in `tmp_path`: it must end in exit code 2 and one line
+    `sparrow CMD: error: ...` holding `message` ({files} filled in), no traceback, and no model loaded when
+    `before_load`."""
     monkeypatch.chdir(tmp_path)
     if before_load:
         request.getfixturevalue("no_model_loading")
@@ -174,7 +175,13 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, message, before_load, files
     lines = err.splitlines()
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith(f"sparrow {argv[0]}: error: "), err
-    assert message in lines[0] and "Traceback" not in err
+    assert message.replace("{files}", str(files)) in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message, before_load", [_param(c) for c in CASES + TRAIN_CASES])
+def test_bad_input_is_one_line_and_exit_code_2(argv, message, before_load, files, tmp_path, monkeypatch, capsys,
+                                               request):
+    check_refused(argv, message, before_load, files, tmp_path, monkeypatch, capsys, request)
 
 
 def test_an_error_during_generation_starts_on_a_fresh_line_after_the_progress_bar(monkeypatch, capsys):

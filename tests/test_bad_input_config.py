@@ -18,8 +18,8 @@ BOMB = ('a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n
 
 # (id, YAML text, text the message must hold)
 CASES = [
-    ("key-twice", "steps: 1\nsteps: 2\n", "cfg.yaml', line 2, column 1: key 'steps' is given twice in one mapping "
-                                         "(first on line 1)"),
+    ("key-twice", "steps: 1\nsteps: 2\n", ("cfg.yaml', line 2, column 1: key 'steps' is given twice in one mapping "
+                                          "(first on line 1)")),
     ("section-twice", "grpo:\n  steps: 1\nmodel: tiny-qwen3\ngrpo:\n  learning_rate: 1.0e-4\n",
      "line 4, column 1: key 'grpo' is given twice in one mapping (first on line 1)"),
     ("key-twice-in-section", "grpo:\n  steps: 1\n  steps: 2\n", "line 3, column 3: key 'steps' is given twice"),
@@ -89,7 +89,7 @@ def test_a_closed_stdout_at_start_is_one_line_and_exit_code_2():
     """`sparrow schedule show dense >&-`: Python starts with sys.stdout None; refused before any work."""
     run = "import sys; from sparrow.cli import main; sys.exit(main(sys.argv[1:]))"
     done = subprocess.run(["bash", "-c", '"$0" -c "$1" schedule show dense >&-', sys.executable, run],
-                          stderr=subprocess.PIPE, text=True, timeout=300)
+                          stderr=subprocess.PIPE, text=True, timeout=300, check=False)
     assert done.returncode == 2, done.stderr
     assert done.stderr == ("sparrow schedule: error: standard output is closed; redirect it to a file or /dev/null "
                            "instead\n")

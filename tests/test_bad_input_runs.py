@@ -212,13 +212,13 @@ def test_a_refused_schedule_says_which_rule_it_breaks(capsys):
 # 6. SPARROW_VLLM_* variables against --backend vllm's options
 
 @pytest.mark.parametrize("env, message", [
-    ({"SPARROW_VLLM_PAGE_SIZE": "32"}, "SPARROW_VLLM_PAGE_SIZE='32' disagrees with the command's --page-size 16: "
+    ({"SPARROW_VLLM_PAGE_SIZE": "32"}, ("SPARROW_VLLM_PAGE_SIZE='32' disagrees with the command's --page-size 16: "
      "with --backend vllm the command's options configure Sparrow's vLLM plugin; unset SPARROW_VLLM_PAGE_SIZE or "
-     "pass --page-size 32"),
+     "pass --page-size 32")),
     ({"SPARROW_VLLM_PAGE_SIZE": "x"}, "SPARROW_VLLM_PAGE_SIZE='x': expected a positive integer"),
     ({"SPARROW_VLLM_SCHEDULE": "bogus"}, "SPARROW_VLLM_SCHEDULE='bogus': unknown schedule 'bogus'"),
-    ({"SPARROW_VLLM_LANDMARK": "quest"}, "SPARROW_VLLM_LANDMARK='quest' disagrees with the command's --landmark "
-     "'centroid'"),
+    ({"SPARROW_VLLM_LANDMARK": "quest"}, ("SPARROW_VLLM_LANDMARK='quest' disagrees with the command's --landmark "
+     "'centroid'")),
 ], ids=["page-size-disagrees", "page-size-invalid", "schedule-invalid", "landmark-disagrees"])
 def test_a_users_plugin_variable_that_is_bad_or_disagrees_is_refused(env, message):
     with pytest.raises(SparrowError) as caught:

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_bad_input import no_model_loading  # noqa: F401  (the fixture, used by name)
 
 from sparrow import models
-from sparrow.cli import main
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import trajectory_cost
 from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import parse_schedule
+from tests.test_bad_input import check_refused, no_model_loading  # noqa: F401 (the fixture)
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +79,7 @@ CASES = [
 @pytest.mark.parametrize("argv, message, before_load", [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_bad_value_is_one_line_and_exit_code_2(argv, message, before_load, files, tmp_path, monkeypatch, capsys,
                                                request):
-    monkeypatch.chdir(tmp_path)
-    if before_load:
-        request.getfixturevalue("no_model_loading")
-    code = main([a.format(files=files, tmp=tmp_path) for a in argv])
-    err = capsys.readouterr().err
-    lines = err.splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith(f"sparrow {argv[0]}: error: "), err
-    assert message.replace("{files}", str(files)) in lines[0] and "Traceback" not in err
+    check_refused(argv, message, before_load, files, tmp_path, monkeypatch, capsys, request)
 
 
 def test_the_cost_model_refuses_lengths_past_its_maximum():

@@ -92,8 +92,8 @@ def test_the_warning_comes_only_when_the_whole_interval_lies_below_the_level():
     same = [0.2, 0.6, 0.4, 0.8] * 2
     assert reward_check_metrics(same, same, 4, 4, 0.9)[1] == []
     _, above_one = reward_check_metrics(same, same, 4, 4, 1.5)
-    assert above_one == ["reward retention 1.000 (95% interval 1.000..1.000, 8 paired samples of 2 prompt(s)) is "
-                         "below min_retention 1.5"]
+    assert above_one == [("reward retention 1.000 (95% interval 1.000..1.000, 8 paired samples of 2 prompt(s)) is "
+                          "below min_retention 1.5")]
     noisy = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]  # 5/8 of the dense reward on 8 pairs of one prompt: undecided
     metrics, warnings = reward_check_metrics(noisy, [1.0] * 8, 8, 8, 0.9)
     assert metrics["mismatch/reward_retention_low"] < 0.9 < metrics["mismatch/reward_retention_high"]
@@ -120,18 +120,19 @@ def test_training_logs_the_check_on_its_steps_warns_naming_the_step_and_plots_it
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": "abc " * (10 + i), "answer": str(i)}) + "\n" for i in range(5)))
     out = tmp_path / "run"
-    config = build(TrainConfig, dict(model="tiny-qwen3", data=str(data), reward=["tests.test_reward_check:byte_mean"],
-                                     steps=3, prompts_per_step=2, num_generations=3, max_new_tokens=8,
-                                     schedule="const:1024", output_dir=str(out), min_retention=1.5,
-                                     reward_check_every=2))
+    config = build(TrainConfig, {"model": "tiny-qwen3", "data": str(data),
+                                 "reward": ["tests.test_reward_check:byte_mean"], "steps": 3, "prompts_per_step": 2,
+                                 "num_generations": 3, "max_new_tokens": 8,
+                                 "schedule": "const:1024", "output_dir": str(out), "min_retention": 1.5,
+                                 "reward_check_every": 2})
     logged = []
     history = train(config, log=logged.append)
     assert [all(key in h for key in KEYS) for h in history] == [False, True, False]
     assert not any(key in h for key in KEYS for h in history[::2])
     assert history[1]["mismatch/reward_retention"] == 1.0
     assert [line for line in logged if "reward retention" in line] == [
-        "warning: step 2: reward retention 1.000 (95% interval 1.000..1.000, 3 paired samples of 1 prompt(s)) is "
-        "below min_retention 1.5"]
+        ("warning: step 2: reward retention 1.000 (95% interval 1.000..1.000, 3 paired samples of 1 prompt(s)) is "
+         "below min_retention 1.5")]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "mismatch/reward_retention_high" in rows[1] and "time/reward_check_s" in rows[1]
     assert (out / "retention.png").stat().st_size > 1000 and "retention.png" in (out / "report.md").read_text()

@@ -13,9 +13,9 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_device, resolve_dtype
-from sparrow.typed_config import check_int
 from sparrow.rl.distill import check_adapter_dir, load_adapter
 from sparrow.schedules import Schedule, parse_schedule
+from sparrow.typed_config import check_int
 
 MODEL_HELP = {
     "model": "smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, a .gguf file or a local Hugging Face model directory",

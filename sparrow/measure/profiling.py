@@ -60,7 +60,7 @@ class ScheduleSample:
     def load(cls, path: Path) -> ScheduleSample:
         with np.load(path) as data:
             return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")},
-                       rewards=data["rewards"] if "rewards" in data else None)
+                       rewards=data.get("rewards"))
 
 
 def prompts_hash(prompts: list) -> str:
