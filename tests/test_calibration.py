@@ -1,5 +1,8 @@
 """Schedule calibration from profiles: cheapest budget per bin reaching tau, non-decreasing, clear failures."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from sparrow.errors import SparrowError
@@ -74,9 +77,6 @@ def test_a_profile_binned_by_generated_position_is_refused():
 def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
     """examples/smollm2-manifest.yaml's schedule is what `sparrow calibrate` picks from the committed manifest
     profile at the config's tau with a 0.02 margin; without the margin 512 tokens would do."""
-    import json
-    from pathlib import Path
-
     import torch
     import yaml
 
@@ -91,3 +91,12 @@ def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
     assert shipped.budget_for(torch.tensor([4700])).item() == 1024
     _, choices = calibrate(profile, 0.75)
     assert [c.budget for c in choices] == [512]
+
+
+def test_the_shipped_reward_profile_calibrates_to_3072_tokens_for_a_retention_of_09():
+    """examples/manifest-reward-profile.json (BENCHMARKS, round 3): on the long task p5 holds tau 0.75 from 1024
+    tokens and 0.86 from 2048, but only 3072 keeps 90% of the dense reward."""
+    profile = json.loads(Path("examples/manifest-reward-profile.json").read_text())
+    assert calibrate(profile, 0.75, margin=0.02)[0].budgets == (1024,)
+    assert calibrate(profile, 0.86)[0].budgets == (2048,)
+    assert calibrate(profile, 0.75, margin=0.02, min_retention=0.9)[0].budgets == (3072,)
