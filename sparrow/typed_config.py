@@ -138,7 +138,7 @@ def flatten_mapping(cls, mapping: dict, source: str, command: str | None = None)
             option = own.get(key) or (by_name.get(key) if not prefix else None)
             if option is None and key in inner:
                 raise SparrowError(f"{source}: section {spelling!r} must be a mapping of its options, "
-                                   f"got {_short(value)}")
+                                   f"got {short_repr(value)}")
             if option is None:
                 raise SparrowError(f"{source}: unknown option {spelling!r}" + _suggest(
                     str(key), sorted(own) + sorted(inner) if prefix else sorted(set(by_name) | set(inner)),
@@ -153,7 +153,7 @@ def flatten_mapping(cls, mapping: dict, source: str, command: str | None = None)
     return values
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
     """A repr cut to a readable length for a one-line message."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

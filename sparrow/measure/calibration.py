@@ -20,6 +20,7 @@ from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.measure.retention import Retention
 from sparrow.schedules import Schedule
+from sparrow.typed_config import short_repr
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def _field_problem(item, fields: dict) -> str | None:
         value = item.get(name)
         if isinstance(value, bool) or not isinstance(value, kind):
             expected = "an integer" if kind is int else "a number"
-            return f"{name} is {_short(value)}; expected {expected}" if name in item else f"has no {name!r}"
+            return f"{name} is {short_repr(value)}; expected {expected}" if name in item else f"has no {name!r}"
     return None
 
 
@@ -57,14 +58,15 @@ def check_profile(profile, source: str = "the profile") -> None:
                            "writes (with 'schedules')")
     meta = profile.get("meta", {})
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k, {}), dict) for k in ("sparse", "sampling")):
-        raise SparrowError(f"{source}: 'meta' is {_short(meta)}; expected an object (as 'sparrow profile' writes)")
+        raise SparrowError(f"{source}: 'meta' is {short_repr(meta)}; expected an object (as 'sparrow profile' "
+                           "writes)")
     for where, value, kind in (("meta.sparse.page_size", meta.get("sparse", {}).get("page_size", 16), int),
                                ("meta.sampling.max_new_tokens", meta.get("sampling", {}).get("max_new_tokens", 1), int),
                                ("meta.prompt_tokens_mean", meta.get("prompt_tokens_mean", 1), (int, float)),
                                ("meta.model", meta.get("model", ""), str)):
         if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < 1):
             expected = {int: "a positive integer", str: "a model name"}.get(kind, "a number")
-            raise SparrowError(f"{source}: {where} is {_short(value)}; expected {expected}")
+            raise SparrowError(f"{source}: {where} is {short_repr(value)}; expected {expected}")
     schedules = profile.get("schedules")
     if not isinstance(schedules, dict) or not schedules:
         raise SparrowError(f"{source} holds no schedules; expected a non-empty 'schedules' object")
@@ -73,7 +75,8 @@ def check_profile(profile, source: str = "the profile") -> None:
             raise SparrowError(f"{source}: schedule {name!r} has no 'bins' list; expected the per-length-bin "
                                "statistics 'sparrow profile' writes")
         if not isinstance(spec.get("budgets") or [], list):
-            raise SparrowError(f"{source}: schedule {name!r} has budgets {_short(spec['budgets'])}; expected a list")
+            raise SparrowError(f"{source}: schedule {name!r} has budgets {short_repr(spec['budgets'])}; "
+                               "expected a list")
         for what, items, fields in (("bin", spec["bins"], _BIN_FIELDS),
                                     ("budget", spec.get("budgets") or [], _BUDGET_FIELDS)):
             for position, item in enumerate(items):
@@ -89,14 +92,9 @@ def always_kept_pages(meta: dict, source: str = "the profile") -> int:
     for name, least in (("sink_pages", 0), ("recent_pages", 1)):
         value = sparse.get(name, getattr(SparseConfig, name))
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise SparrowError(f"{source}: meta.sparse.{name} is {_short(value)}; expected an integer >= {least}")
+            raise SparrowError(f"{source}: meta.sparse.{name} is {short_repr(value)}; expected an integer >= {least}")
         kept += value
     return kept
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -126,7 +124,7 @@ def profile_retention(profile: dict) -> dict[str, Retention]:
         if not isinstance(data, dict) or set(data) != set(Retention.__dataclass_fields__) or not all(
                 data[k] is None or (isinstance(data[k], (int, float)) and not isinstance(data[k], bool))
                 for k in ("value", "low", "high")):
-            raise SparrowError(f"schedule {name!r}: reward.retention is {_short(data)}; expected the object "
+            raise SparrowError(f"schedule {name!r}: reward.retention is {short_repr(data)}; expected the object "
                                "'sparrow profile --reward' writes")
         out[name] = Retention(**data)
     return out

@@ -31,6 +31,7 @@ from sparrow.engine.engine import check_prompt_keys
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
+from sparrow.typed_config import check_int
 
 from .factory import ModelSpec, check_rollout_workers
 from .native import NativeBackend, load_state
@@ -132,9 +133,8 @@ class RayRolloutBackend:
                  max_retries: int = 2, ready_timeout_s: float = 120.0, log: Callable[[str], None] = print):
         if check_rollout_workers(workers, ray_address, spec.device) < 1:
             raise SparrowError(f"rollout_workers must be an integer >= 1 for Ray rollouts, got {workers!r}")
-        if cpus_per_worker is not None and (isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, int)
-                                            or cpus_per_worker < 1):
-            raise SparrowError(f"cpus_per_worker must be an integer >= 1, got {cpus_per_worker!r}")
+        if cpus_per_worker is not None:
+            check_int("cpus_per_worker", cpus_per_worker, 1)
         self.tokenizer, self.spec, self.log = tokenizer, spec, log
         self.wire_dtype = None if wire_dtype is None else resolve_dtype(wire_dtype)
         self.max_retries, self.ready_timeout_s = max_retries, ready_timeout_s
