@@ -7,6 +7,7 @@ from math import comb
 from sparrow.datasets import Example
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.measure.retention import mean_interval
 from sparrow.rewards.scoring import score_examples
 from sparrow.schedules import Schedule
 
@@ -30,11 +31,16 @@ def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Sched
     totals = score_examples(reward_fns, examples, completions).totals
     per_example = [totals[i * k:(i + 1) * k] for i in range(len(examples))]
     passed = [sum(r >= threshold for r in rewards) for rewards in per_example]
+    means = [sum(rewards) / k for rewards in per_example]
+    low, high = mean_interval(means)
     ks = sorted({1, k} | {j for j in (2, 4, 8, 16, 32) if j < k})
     return {
         "examples": len(examples),
         "samples_per_example": k,
         f"mean@{k}": sum(totals) / len(totals),
+        "mean_low": low,
+        "mean_high": high,
+        "per_example_mean": means,
         **{f"pass@{j}": sum(pass_at_k(k, c, j) for c in passed) / len(passed) for j in ks},
         "mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
     }

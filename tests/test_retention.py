@@ -5,7 +5,7 @@ import pytest
 from scipy import stats
 
 from sparrow.errors import SparrowError
-from sparrow.measure.retention import reward_retention
+from sparrow.measure.retention import mean_interval, reward_retention
 
 
 def test_retention_and_its_interval_on_hand_computed_pairs():
@@ -44,3 +44,11 @@ def test_verdicts_and_undefined_cases():
 def test_bad_pairs_are_refused(sparse, dense, message):
     with pytest.raises(SparrowError, match=message):
         reward_retention(sparse, dense)
+
+
+def test_the_mean_interval_over_prompts_is_students_t():
+    values = [0.1, 0.5, 0.3, 0.9, 0.0]
+    low, high = mean_interval(values)
+    expected = stats.t.interval(0.95, 4, loc=np.mean(values), scale=stats.sem(values))
+    assert (low, high) == pytest.approx(expected)
+    assert all(np.isnan(mean_interval([0.4])))

@@ -130,6 +130,10 @@ def test_held_out_evaluation_runs_before_training_every_n_steps_and_at_the_end(d
     assert [r["step"] for r in rows] == [0, 2, 3]
     assert all(0 <= r["eval/mean@2"] <= 1 and r["eval/samples_per_example"] == 2 for r in rows)
     assert rows[0]["eval/mean@2"] != rows[-1]["eval/mean@2"]  # same samples' seed, changed policy
+    for row in rows:  # each prompt's mean, and the interval of their mean
+        means = row["eval/per_example_mean"]
+        assert len(means) == row["eval/examples"] and sum(means) / len(means) == pytest.approx(row["eval/mean@2"])
+        assert row["eval/mean_low"] < row["eval/mean@2"] < row["eval/mean_high"]
     assert "held-out" in (out / "report.md").read_text() and (out / "heldout.png").stat().st_size > 1000
     with pytest.raises(SparrowError, match="eval_data file 'nope.jsonl' does not exist"):
         _config(data, tmp_path / "x", eval_data="nope.jsonl").validate()
@@ -151,7 +155,9 @@ def test_report_compares_runs_with_plots(data, tmp_path):
     assert rows["sparse"][0].endswith("| 1.00x |") and "rollout speed vs sparse" in text  # the first run is the base
     assert re.search(r"\| \d+\.\d\dx \|$", rows["dense"][0])
     assert "| 1.00x | " in rows["sparse"][0] and "step speed vs sparse" in text
-    assert re.search(r"\| \d+\.\d\dx \| \d+\.\d \| \d+\.\d\dx \|$", rows["dense"][0])  # step, then rollout
+    # step speed, rollout tokens/s, rollout speed, rollout throughput
+    assert re.search(r"\| \d+\.\d\dx \| \d+\.\d \| \d+\.\d\dx \| \d+\.\d\dx \|$", rows["dense"][0])
+    assert (tmp_path / "r" / "reward-vs-rollout-time.png").stat().st_size > 1000
     assert "Where the rollout time goes" in text  # prefill, decode, sample, other, monitor (dense runs none)
     assert re.fullmatch(r"\| sparse( \| -?\d+\.\d\d){5} \|", rows["sparse"][1])
     assert rows["dense"][1].endswith("| - |")

@@ -1,4 +1,5 @@
-"""How much of the dense reward the sparse actor keeps, with an interval from paired samples (pure).
+"""How much of the dense reward the sparse actor keeps, with an interval from paired samples; and the interval of a
+mean reward over prompts (pure).
 
 Each pair is one sampled completion drawn twice with the same prompt and random stream: once by the sparse actor,
 once by the dense policy. Retention is the ratio of their mean rewards, R = mean(sparse) / mean(dense). Its
@@ -75,3 +76,15 @@ def reward_retention(sparse: Sequence[float], dense: Sequence[float], groups: Se
     variance = count / (count - 1) * float(np.sum(residual_sums ** 2)) / x.size ** 2
     half = float(stats.t.ppf(0.5 + confidence / 2, count - 1)) * math.sqrt(variance)
     return Retention(ratio, ratio - half, ratio + half, sparse_mean, dense_mean, int(x.size), count)
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Student's t interval of the mean of `values` (one per prompt: samples of one prompt are correlated, prompts
+    are the independent units); (nan, nan) for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return mean - half, mean + half

@@ -12,6 +12,7 @@ from statistics import median
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text, read_jsonl
+from sparrow.measure.retention import mean_interval
 
 PHASES = ("rollout", "reward", "recompute", "update")
 ROLLOUT_PHASES = ("prefill", "decode", "sample")  # what the native engine reports of its rollout time
@@ -108,6 +109,75 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def _throughput(rows: list[dict]) -> float:
+    """Rollout tokens per rollout second over the whole run (total over total: long steps weigh more, and a run
+    whose answers got shorter is not credited for it, unlike a ratio of median rollout times)."""
+    tokens = sum(r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in rows
+                 if _is_number(r.get("rollout/tokens_per_s")) and _is_number(r.get("time/rollout_s")))
+    seconds = sum(r["time/rollout_s"] for r in rows if _is_number(r.get("time/rollout_s")))
+    return tokens / seconds if seconds else float("nan")
+
+
+def _rollout_clock(rows: list[dict]) -> dict[int, float]:
+    """Cumulative rollout seconds at the end of each step (step 0: before the first)."""
+    clock, total = {0: 0.0}, 0.0
+    for row in rows:
+        total += row.get("time/rollout_s", 0.0) if _is_number(row.get("time/rollout_s")) else 0.0
+        clock[row["step"]] = total
+    return clock
+
+
+def _plot_reward_vs_rollout_time(runs: dict, evals: dict, path: Path) -> None:
+    """Training reward (and held-out reward, where evaluated) against the cumulative rollout seconds: what a
+    faster rollout buys, if the reward keeps up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward/mean", "training reward (the rollouts')", runs)] + (
+        [("eval/mean", "held-out reward (dense policy)", evals)] if evals else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for ax, (key, label, source) in zip(axes[0], panels):
+        for name, rows in source.items():
+            clock = _rollout_clock(runs.get(name, []))
+            points = [(clock[r["step"]], r[key]) for r in rows if r["step"] in clock and _is_number(r.get(key))]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xlabel("cumulative rollout seconds")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Reward vs rollout time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _held_out(evals: dict) -> list[str]:
+    """Each run's first and last held-out reward with the last one's 95% interval over prompts, and, for runs
+    evaluated on as many prompts as the first run, the paired difference from it (same prompts, same seed)."""
+    lines = ["", "Held-out reward (mean over samples) at the first and last evaluation, with the last one's 95% "
+             "interval over prompts:", ""]
+    for name, rows in evals.items():
+        last = rows[-1]
+        interval = (f" [{last['eval/mean_low']:.3f}, {last['eval/mean_high']:.3f}]"
+                    if _is_number(last.get("eval/mean_low")) and math.isfinite(last["eval/mean_low"]) else "")
+        lines.append(f"- {name}: step {rows[0]['step']} {rows[0]['eval/mean']:.3f} -> step {last['step']} "
+                     f"{last['eval/mean']:.3f}{interval}")
+    first, *others = evals
+    base = evals[first][-1].get("eval/per_example_mean")
+    for name in others:
+        other = evals[name][-1].get("eval/per_example_mean")
+        if isinstance(base, list) and isinstance(other, list) and len(base) == len(other) >= 2:
+            diffs = [a - b for a, b in zip(other, base)]
+            low, high = mean_interval(diffs)
+            lines.append(f"- {name} minus {first} at their last evaluation: {sum(diffs) / len(diffs):+.3f} "
+                         f"[{low:+.3f}, {high:+.3f}] (paired over {len(diffs)} prompts)")
+    return lines
+
+
 def _plot_phases(runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -175,8 +245,8 @@ def _bin_keys(runs: dict, prefix: str, suffix: str) -> list[str]:
 
 
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
-    """report.md plus curves.png, mismatch.png and phases.png in `out_dir`; rollout speed is relative to the
-    first run given (pass the dense-rollout run first to read sparse speedups)."""
+    """report.md plus curves.png, mismatch.png, phases.png and reward-vs-rollout-time.png in `out_dir`; rollout
+    speed is relative to the first run given (pass the dense-rollout run first to read sparse speedups)."""
     runs, evals = load_runs(run_dirs), load_evals(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot_curves(runs, [("reward/mean", "mean reward"), ("completions/mean_length", "mean response length")],
@@ -195,11 +265,12 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     first = next(iter(runs))
     base_rollout = _median(runs[first], "time/rollout_s")
     base_step = _median(runs[first], "time/step_s")
+    base_throughput = _throughput(runs[first])
     lines = ["# Training report", "", f"Median seconds per step by phase; rollout and step speed relative to `{first}`.",
              "", "| run | steps | reward first -> last | mean length | "
              + " | ".join(f"{p} s" for p in PHASES) + f" | step s | step speed vs {first} | rollout tokens/s | "
-             f"rollout speed vs {first} |",
-             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|"]
+             f"rollout speed vs {first} | rollout throughput vs {first} |",
+             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|"]
     for name, rows in runs.items():
         lengths = [r.get("completions/mean_length", 0.0) for r in rows]
         lines.append(f"| {name} | {len(rows)} | {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} | "
@@ -207,14 +278,15 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      + " | ".join(f"{_median(rows, f'time/{p}_s'):.2f}" for p in PHASES)
                      + f" | {_median(rows, 'time/step_s'):.2f} | {_ratio(base_step, _median(rows, 'time/step_s')):.2f}x"
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
-                     f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x |")
+                     f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x | "
+                     f"{_ratio(_throughput(rows), base_throughput):.2f}x |")
     lines += _rollout_breakdown(runs)
     if evals:
         _plot_curves(evals, [("eval/mean", "held-out mean reward")], out_dir / "heldout.png", "Held-out reward")
-        lines += ["", "Held-out reward (mean over samples) at the first and last evaluation:", ""]
-        lines += [f"- {name}: step {rows[0]['step']} {rows[0]['eval/mean']:.3f} -> step {rows[-1]['step']} "
-                  f"{rows[-1]['eval/mean']:.3f}" for name, rows in evals.items()]
+        lines += _held_out(evals)
         lines += ["", "![held-out reward](heldout.png)"]
+    _plot_reward_vs_rollout_time(runs, evals, out_dir / "reward-vs-rollout-time.png")
+    lines += ["", "![reward vs cumulative rollout seconds](reward-vs-rollout-time.png)"]
     lines += ["", "![reward and length](curves.png)"]
     lines += ["", "![time per phase](phases.png)"]
     if bin_keys:

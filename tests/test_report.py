@@ -1,0 +1,44 @@
+"""`sparrow report` on hand-written run logs: throughput over the whole run, reward against cumulative rollout
+seconds, and the held-out comparison paired over prompts."""
+
+import json
+
+import pytest
+from scipy import stats
+
+from sparrow.rl.report import _rollout_clock, _throughput, write_report
+
+
+def _run(path, rows, evals):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+
+
+def _row(step, reward, rollout_s, tokens):
+    return {"step": step, "reward/mean": reward, "time/rollout_s": rollout_s, "time/step_s": 2 * rollout_s,
+            "rollout/tokens_per_s": tokens / rollout_s, "completions/mean_length": 10.0}
+
+
+def test_throughput_is_total_tokens_over_total_rollout_seconds():
+    rows = [_row(1, 0.1, 10.0, 100), _row(2, 0.2, 30.0, 500)]
+    assert _throughput(rows) == pytest.approx(600 / 40)  # not the median of 10 and 16.7 tokens/s
+    assert _rollout_clock(rows) == {0: 0.0, 1: 10.0, 2: 40.0}
+
+
+def test_the_report_pairs_held_out_prompts_and_plots_reward_against_rollout_time(tmp_path):
+    dense_means, sparse_means = [0.2, 0.6, 0.4, 0.8], [0.3, 0.5, 0.6, 0.8]
+    _run(tmp_path / "dense", [_row(1, 0.4, 20.0, 400), _row(2, 0.5, 20.0, 400)],
+         [{"step": 0, "eval/mean@4": 0.5}, {"step": 2, "eval/mean@4": 0.5, "eval/mean_low": 0.1,
+                                            "eval/mean_high": 0.9, "eval/per_example_mean": dense_means}])
+    _run(tmp_path / "sparse", [_row(1, 0.3, 10.0, 400), _row(2, 0.5, 10.0, 200)],
+         [{"step": 0, "eval/mean@4": 0.5}, {"step": 2, "eval/mean@4": 0.55, "eval/mean_low": 0.2,
+                                            "eval/mean_high": 0.9, "eval/per_example_mean": sparse_means}])
+    text = write_report([tmp_path / "dense", tmp_path / "sparse"], tmp_path / "r").read_text()
+    sparse_row = next(line for line in text.splitlines() if line.startswith("| sparse |"))
+    assert sparse_row.endswith("| 2.00x | 1.50x |")  # rollout time 20/10 s; throughput (600/20) / (800/40)
+    assert "- sparse: step 0 0.500 -> step 2 0.550 [0.200, 0.900]" in text
+    diffs = [s - d for s, d in zip(sparse_means, dense_means)]
+    low, high = stats.t.interval(0.95, 3, loc=sum(diffs) / 4, scale=stats.sem(diffs))
+    assert f"- sparse minus dense at their last evaluation: +0.050 [{low:+.3f}, {high:+.3f}] (paired over 4 prompts)" in text
+    assert (tmp_path / "r" / "reward-vs-rollout-time.png").stat().st_size > 1000
