@@ -25,7 +25,9 @@ def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Sched
              threshold: float = 1.0, progress: bool = False, adapter: bool = True) -> dict:
     """Sample k completions per example from `backend` (a RolloutBackend; `adapter=False` samples the policy
     without its DistillSparse adapter) and score them as training does (every column of the row reaches the
-    rewards); a completion passes when its total reward reaches `threshold`."""
+    rewards); a completion passes when its total reward reaches `threshold`. Also each prompt's mean reward and
+    length, and the 95% interval of mean@k over prompts (`mean_low`, `mean_high`; prompts are the independent
+    units)."""
     completions = backend.generate([ex.prompt for ex in examples], sampling, schedule, k, adapter=adapter,
                                    progress=progress)
     totals = score_examples(reward_fns, examples, completions).totals
@@ -41,6 +43,7 @@ def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Sched
         "mean_low": low,
         "mean_high": high,
         "per_example_mean": means,
+        "prompt_length": [len(completions[i * k].prompt_token_ids) for i in range(len(examples))],
         **{f"pass@{j}": sum(pass_at_k(k, c, j) for c in passed) / len(passed) for j in ks},
         "mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
     }

@@ -15,6 +15,7 @@ from sparrow.measure.cost_model import (
     Hardware,
     ModelDims,
     compare,
+    equal_cost_constant,
     hardware,
     paper_cost,
     prefill_cost,
@@ -245,6 +246,8 @@ def test_cli_reads_a_local_config_directory(tmp_path, capsys):
     (["--model", "smollm2-135m", "--schedule", "dense"], "nothing to compare"),
     (["--model", "smollm2-135m"], "give --schedule"),
     (["--model", "smollm2-135m", "--schedule", "const:512", "--dense-layers", "0,40"], "out of range"),
+    (["--model", "smollm2-135m", "--schedule", "const:512", "--prompt-lens", "1000,0"],
+     "prompt_lens must be one or more lengths from 1 to 10,000,000 tokens, got '1000,0'"),
 ])
 def test_cli_errors(argv, message, capsys):
     code, _, err = _run(argv, capsys)
@@ -256,3 +259,21 @@ def test_step_cost_is_a_frozen_record():
     cost = step_cost(SMALL, TOY_HW, 1, 10, None, 16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cost.flops = 0
+
+
+def test_the_equal_cost_constant_matches_a_growing_schedule_over_mixed_lengths(capsys):
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    lengths, growing = [1000, 3000, 5000, 7000], parse_schedule("0:1024,4096:2048")
+
+    def total(schedule):
+        return sum(trajectory_cost(dims, hw, schedule, n, 300, 8).cost for n in lengths)
+
+    budget, ratio = equal_cost_constant(dims, hw, growing, lengths, 300, 8)
+    assert budget % 16 == 0 and ratio == pytest.approx(total(const(budget)) / total(growing))
+    # no other page count comes closer: one page less costs too little, one more too much
+    assert total(const(budget - 16)) < total(growing) < total(const(budget + 16))
+    assert abs(ratio - 1) <= abs(total(const(budget + 16)) / total(growing) - 1)
+    assert equal_cost_constant(dims, hw, const(1024), lengths, 300, 8) == (1024, 1.0)  # a constant is its own match
+    code, out, _ = _run(["--schedule", "0:1024,4096:2048", "--prompt-lens", "1000,3000,5000,7000", "--gen-len",
+                         "300", "--json"], capsys)
+    assert code == 0 and json.loads(out)["equal_cost_constant"]["budget"] == budget

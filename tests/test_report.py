@@ -42,3 +42,18 @@ def test_the_report_pairs_held_out_prompts_and_plots_reward_against_rollout_time
     low, high = stats.t.interval(0.95, 3, loc=sum(diffs) / 4, scale=stats.sem(diffs))
     assert f"- sparse minus dense at their last evaluation: +0.050 [{low:+.3f}, {high:+.3f}] (paired over 4 prompts)" in text
     assert (tmp_path / "r" / "reward-vs-rollout-time.png").stat().st_size > 1000
+
+
+def test_rewards_by_prompt_length_and_the_tail_per_bin(tmp_path):
+    rows = [{**_row(1, 0.5, 10.0, 100), "prompts/length": [1000, 5000], "reward/per_prompt": [0.8, 0.2],
+             "mismatch/bin_0/exact_p5": 0.9, "mismatch/bin_0/exact_p1": 0.7},
+            {**_row(2, 0.6, 10.0, 100), "prompts/length": [1500], "reward/per_prompt": [0.6],
+             "mismatch/bin_0/exact_p5": 0.8, "mismatch/bin_0/exact_p1": 0.5, "mismatch/bin_4096/exact_p5": 0.6,
+             "mismatch/bin_4096/exact_p1": 0.4}]
+    _run(tmp_path / "mixed", rows, [{"step": 2, "eval/mean@2": 0.5, "eval/per_example_mean": [0.4, 0.6],
+                                     "eval/prompt_length": [3000, 7000]}])
+    text = write_report([tmp_path / "mixed"], tmp_path / "r").read_text()
+    assert "| run | rewards | [0, 2048) | [2048, 4096) | [4096, 6144) | [6144, 8192) |" in text
+    assert "| mixed | rollouts | 0.700 (2) | - | 0.200 (1) | - |" in text
+    assert "| mixed | held-out (last) | - | 0.400 (1) | - | 0.600 (1) |" in text
+    assert "| mixed | 0.850 / 0.600 | 0.600 / 0.400 |" in text  # medians over the steps that had the bin

@@ -87,3 +87,29 @@ def test_number_f1_gives_partial_credit_and_costs_extra_numbers():
     # all; half the codes (the list indices are not candidates): 2/3; one hit of three found: p 1/3, r 1/4 -> 2/7;
     # none; "11,111" is 11111 and 7 is too short to count: p 1, r 1/4 -> 0.4
     assert scores == pytest.approx([1.0, 2 / 3, 2 * (1 / 3) * (1 / 4) / (1 / 3 + 1 / 4), 0.0, 0.4])
+
+
+def test_mixed_lengths_spread_evenly_between_the_bounds_in_a_seeded_order():
+    from sparrow.tasks.fitting import length_targets
+
+    spread = length_targets(5, 200, 600, seed=3)
+    assert sorted(spread) == [200, 300, 400, 500, 600] and spread == length_targets(5, 200, 600, seed=3)
+    assert spread != sorted(spread) or length_targets(5, 200, 600, seed=4) != spread
+    assert length_targets(3, 200, None, seed=0) == [200, 200, 200]
+    with pytest.raises(Exception, match="max_tokens 100 is below min_tokens 200"):
+        length_targets(3, 200, 100, seed=0)
+
+
+def test_the_command_writes_mixed_length_prompts_and_one_length_stays_as_before(tmp_path):
+    from sparrow.models import load_model
+    from sparrow.tasks import manifest
+
+    out = tmp_path / "mixed.jsonl"
+    assert main(["prompts", "--model", "tiny-llama", "--count", "3", "--min-tokens", "300", "--max-tokens", "900",
+                 "--out", str(out)]) == 0
+    tok = load_model("tiny-llama")[1]
+    lengths = sorted(prompt_length(tok, json.loads(line)["prompt"]) for line in out.read_text().splitlines())
+    # the first guess of ledger entries is tuned for SmolLM2 and overshoots on the tiny tokenizer; order still holds
+    assert lengths[0] >= 300 and lengths[1] >= 600 and lengths[2] >= 900 and lengths[0] < lengths[1] < lengths[2]
+    tiny = tiny_tokenizer()
+    assert manifest.make_prompts(2, [300, 300], 1, tiny) == manifest.make_prompts(2, 300, 1, tiny)

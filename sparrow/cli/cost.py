@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, hardware, paper_cost
+from sparrow.measure.cost_model import (MAX_LENGTH, check_trajectory, compare, equal_cost_constant, hardware,
+                                        paper_cost)
 from sparrow.measure.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
 
@@ -22,6 +23,7 @@ class CostConfig:
     prompt_len: int = 256
     gen_len: int = 32768
     samples: int = 8
+    prompt_lens: str | None = None
     hardware: str = "h200"
     peak_flops: float | None = None
     bandwidth: float | None = None
@@ -40,6 +42,7 @@ class CostConfig:
         if self.parsed_schedule().is_dense:
             raise SparrowError("schedule 'dense' leaves nothing to compare; give a sparse --schedule")
         self.page_size_list()
+        self.prompt_len_list()
         self.hw()
 
     def parsed_schedule(self) -> Schedule:
@@ -55,6 +58,18 @@ class CostConfig:
         if not sizes or min(sizes) < 1:
             raise SparrowError(f"page_sizes must be positive integers, got {self.page_sizes!r}")
         return sizes
+
+    def prompt_len_list(self) -> list[int]:
+        if self.prompt_lens is None:
+            return []
+        try:
+            lengths = [int(x) for x in str(self.prompt_lens).split(",") if x.strip()]
+        except ValueError:
+            raise SparrowError(f"prompt_lens must be comma-separated integers, got {self.prompt_lens!r}") from None
+        if not lengths or not all(1 <= n <= MAX_LENGTH for n in lengths):
+            raise SparrowError(f"prompt_lens must be one or more lengths from 1 to {MAX_LENGTH:,} tokens, got "
+                               f"{self.prompt_lens!r}")
+        return lengths
 
     def dense_layer_count(self, layers: int) -> int:
         try:
@@ -77,6 +92,8 @@ HELP = {
     "prompt_len": f"prompt tokens (one shared prefill), at most {MAX_LENGTH:,}",
     "gen_len": f"generated tokens per sample (decode steps), at most {MAX_LENGTH:,}",
     "samples": "samples decoded together from the prompt",
+    "prompt_lens": "comma-separated prompt lengths of a mixed-length task: also find the constant budget whose "
+                   "predicted cost over one trajectory per length equals the schedule's",
     "hardware": "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)",
     "peak_flops": "peak dense FLOP/s (overrides the preset)",
     "bandwidth": "memory bandwidth in bytes/s (overrides the preset)",
@@ -115,6 +132,11 @@ def evaluate(config: CostConfig) -> dict:
         rows.append({"page_size": size, "sparse_cost": row["sparse_cost"],
                      "predicted_speedup": row["predicted_speedup"],
                      "sparse_attention_share": row["sparse_attention_share"]})
+    lengths = config.prompt_len_list()
+    if lengths:
+        budget, ratio = equal_cost_constant(dims, hw, schedule, lengths, config.gen_len, config.samples,
+                                            page_size=config.page_size, **options)
+        result["equal_cost_constant"] = {"budget": budget, "cost_ratio": ratio, "prompt_lens": lengths}
     final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
     paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, config.page_size)
     return {
@@ -157,6 +179,11 @@ def _print(report: dict) -> None:
     print(f"predicted speedup: {report['predicted_speedup']:.2f}x")
     paper = report["paper"]
     print(f"paper formula (constant budget {paper['budget']} tokens): speedup {paper['speedup']:.2f}x")
+    if "equal_cost_constant" in report:
+        equal = report["equal_cost_constant"]
+        print(f"constant budget of equal predicted cost over {len(equal['prompt_lens'])} prompts of "
+              f"{min(equal['prompt_lens'])}-{max(equal['prompt_lens'])} tokens: const:{equal['budget']} "
+              f"({equal['cost_ratio']:.3f}x the schedule's cost)")
     if report["page_sizes"]:
         print()
         print("page sizes at the same token budgets:")

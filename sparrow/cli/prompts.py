@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
 from sparrow.tasks import get_task
-from sparrow.tasks.fitting import prompt_length
+from sparrow.tasks.fitting import length_targets, prompt_length
 
 from .common import check_output
 from .config import add_config_options, load_config
@@ -19,6 +19,7 @@ class PromptsConfig:
     task: str = "records"
     count: int = 8
     min_tokens: int = 3000
+    max_tokens: int | None = None
     seed: int = 0
     model: str = "smollm2-135m"
     out: str | None = None
@@ -27,6 +28,7 @@ class PromptsConfig:
         get_task(self.task)
         if self.count < 1 or self.min_tokens < 1:
             raise SparrowError(f"count and min_tokens must be >= 1, got {self.count} and {self.min_tokens}")
+        length_targets(self.count, self.min_tokens, self.max_tokens, self.seed)
         if self.seed < 0:
             raise SparrowError(f"seed must be >= 0, got {self.seed}")
         if self.out:
@@ -40,6 +42,7 @@ HELP = {
             "(answer: the codes, number_f1 reward; a long-generation task)",
     "count": "number of prompts",
     "min_tokens": "minimum prompt length in tokens, chat template included",
+    "max_tokens": "with it, prompt lengths spread evenly from min_tokens to max_tokens (a mixed-length set)",
     "model": "whose tokenizer measures the length",
     "out": "output JSONL file (default: standard output)",
 }
@@ -51,8 +54,9 @@ def run(args) -> int:
 
     model, tokenizer = load_model(config.model)
     context = model.config.max_position_embeddings
-    _check_fits(config, "at least", config.min_tokens, context)  # before building prompts that long
-    rows = get_task(config.task)(config.count, config.min_tokens, config.seed, tokenizer)
+    targets = length_targets(config.count, config.min_tokens, config.max_tokens, config.seed)
+    _check_fits(config, "at least", max(targets), context)  # before building prompts that long
+    rows = get_task(config.task)(config.count, targets, config.seed, tokenizer)
     _check_fits(config, "up to", max(prompt_length(tokenizer, row["prompt"]) for row in rows), context)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:
@@ -65,10 +69,12 @@ def run(args) -> int:
 def _check_fits(config: PromptsConfig, bound: str, tokens: int, context: int) -> None:
     """Refuse prompts of `tokens` tokens that fill the model's `context` positions, leaving none for an answer."""
     if tokens >= context:
-        raise SparrowError(f"min_tokens {config.min_tokens} makes prompts of {bound} {tokens} tokens (whole ledger "
+        asked = "max_tokens" if config.max_tokens is not None else "min_tokens"
+        value = config.max_tokens if config.max_tokens is not None else config.min_tokens
+        raise SparrowError(f"{asked} {value} makes prompts of {bound} {tokens} tokens (whole ledger "
                            f"entries, question and chat template included), but model {config.model!r} has "
                            f"max_position_embeddings {context}, which must also hold the answer; expected a smaller "
-                           "min_tokens")
+                           f"{asked}")
 
 
 def add_parser(sub) -> None:

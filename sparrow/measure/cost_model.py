@@ -22,7 +22,7 @@ import numpy as np
 from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
 from sparrow.errors import SparrowError
-from sparrow.schedules import DENSE, Schedule
+from sparrow.schedules import DENSE, Schedule, const
 from sparrow.typed_config import check_int
 
 _CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -350,6 +350,37 @@ def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, 
         "dense": dataclasses.asdict(dense),
         "sparse": dataclasses.asdict(sparse),
     }
+
+
+def equal_cost_constant(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_lens: list[int], gen_len: int,
+                        samples: int, page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid",
+                        bytes_per_param=2, bytes_per_kv=2) -> tuple[int, float]:
+    """The constant budget (whole pages, from the always-kept pages up) whose predicted rollout cost, summed over
+    one trajectory per prompt length in `prompt_lens`, is closest to `schedule`'s; returns (budget, its cost over
+    the schedule's). The fair constant rival of a growing schedule on a mixed-length task: the same predicted
+    rollout cost, spent evenly over lengths. Bisection over pages: the cost never falls as the budget grows."""
+    if not prompt_lens:
+        raise SparrowError("equal-cost constant budget needs at least one prompt length")
+    for length in prompt_lens:
+        check_trajectory(length, gen_len, samples)
+    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
+               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
+
+    def total(s: Schedule) -> float:
+        return sum(trajectory_cost(dims, hw, s, n, gen_len, samples, **options).cost for n in prompt_lens)
+
+    target = total(schedule)
+    low, high = SparseConfig().always_kept_pages, -(-(max(prompt_lens) + gen_len) // page_size)
+    while low < high:  # the fewest pages whose cost reaches the target (high: dense everywhere)
+        middle = (low + high) // 2
+        if total(const(middle * page_size)) >= target:
+            high = middle
+        else:
+            low = middle + 1
+    candidates = [pages for pages in (low - 1, low) if pages >= SparseConfig().always_kept_pages]
+    costs = {pages: total(const(pages * page_size)) for pages in candidates}
+    best = min(candidates, key=lambda pages: abs(costs[pages] - target))
+    return best * page_size, costs[best] / target
 
 
 def paper_cost(dims: ModelDims, hw: Hardware, budget: int, prompt_len: int, gen_len: int, samples: int,

@@ -178,6 +178,58 @@ def _held_out(evals: dict) -> list[str]:
     return lines
 
 
+LENGTH_BUCKET = 2048  # tokens of prompt per bucket of the by-length table
+
+
+def _bucket_means(pairs) -> dict[int, list[float]]:
+    """{bucket: rewards} from (prompt length, reward) pairs."""
+    out: dict[int, list[float]] = {}
+    for length, reward in pairs:
+        out.setdefault(int(length) // LENGTH_BUCKET, []).append(reward)
+    return out
+
+
+def _by_prompt_length(runs: dict, evals: dict) -> list[str]:
+    """Mean reward per prompt-length bucket: of the rollouts (every group of the run) and of the held-out
+    evaluation (its last one), for runs whose prompts span more than one bucket."""
+    train = {name: _bucket_means((n, m) for r in rows if isinstance(r.get("prompts/length"), list)
+                                 for n, m in zip(r["prompts/length"], r["reward/per_prompt"]))
+             for name, rows in runs.items()}
+    held = {name: _bucket_means(zip(rows[-1].get("eval/prompt_length") or [], rows[-1].get("eval/per_example_mean")
+                                    or [])) for name, rows in evals.items()}
+    buckets = sorted({b for table in (*train.values(), *held.values()) for b in table})
+    if len(buckets) < 2:
+        return []
+
+    def cell(values):
+        return f"{sum(values) / len(values):.3f} ({len(values)})" if values else "-"
+
+    lines = ["", "Mean reward by prompt length (tokens; in brackets the prompts, each group or held-out prompt "
+             "counted once):", "", "| run | rewards | " + " | ".join(
+                 f"[{b * LENGTH_BUCKET}, {(b + 1) * LENGTH_BUCKET})" for b in buckets) + " |",
+             "|---|---|" + "---|" * len(buckets)]
+    for name in runs:
+        for what, table in (("rollouts", train.get(name)), ("held-out (last)", held.get(name))):
+            if table:
+                lines.append(f"| {name} | {what} | " + " | ".join(cell(table.get(b, [])) for b in buckets) + " |")
+    return lines
+
+
+def _tail_by_bin(runs: dict, keys: list[str]) -> list[str]:
+    """The median over steps of each length bin's exact p5 (and p1), per run."""
+    starts = [int(k.split("/")[1][len("bin_"):]) for k in keys]
+    lines = ["", "Exact acceptance per length bin (median over steps of p5 / p1; bins by cached tokens):", "",
+             "| run | " + " | ".join(f"from {s}" for s in starts) + " |", "|---|" + "---|" * len(starts)]
+    for name, rows in runs.items():
+        cells = []
+        for start in starts:
+            p5, p1 = (_median(rows, f"mismatch/bin_{start}/exact_{q}") for q in ("p5", "p1"))
+            cells.append("-" if math.isnan(p5) else f"{p5:.3f} / {p1:.3f}")
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _plot_phases(runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -290,7 +342,10 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     lines += ["", "![reward and length](curves.png)"]
     lines += ["", "![time per phase](phases.png)"]
     if bin_keys:
+        if bin_keys[0].endswith("exact_p5"):
+            lines += _tail_by_bin(runs, bin_keys)
         lines += ["", "![tail acceptance per bin](mismatch.png)"]
+    lines += _by_prompt_length(runs, evals)
     if budget_keys:
         lines += ["", "![adaptive schedule](schedule.png)"]
     lines += _retention(runs, out_dir / "retention.png")

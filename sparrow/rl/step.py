@@ -381,7 +381,8 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
 
 def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
     """The step's metrics: plain floats with TRL/verl-style names, plus the lists `mismatch/warnings`,
-    `rewards/failures` and the dict `rewards/records`."""
+    `rewards/failures`, `reward/per_prompt` and `prompts/length` (each group's mean reward and prompt length, for
+    rewards by prompt length) and the dict `rewards/records`."""
     batch, completions, rewards = step.batch, step.completions, step.rewards
     valid = batch.mask.bool()
     mismatch, warnings = bound_metrics(step.bounds, batch.positions[valid], cfg.monitor,
@@ -398,8 +399,11 @@ def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
     ratio = tis_stats(step.logp_old, batch.rollout_logprobs, batch.mask, cfg.grpo.tis_cap)
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     records = step.scored.records
+    group = rewards.shape[1]
     return {
         "reward/mean": float(rewards.mean()),
+        "reward/per_prompt": rewards.mean(dim=1).tolist(),
+        "prompts/length": [len(completions[g * group].prompt_token_ids) for g in range(rewards.shape[0])],
         "reward/std": float(rewards.std(unbiased=False)),
         "reward/frac_zero_std_groups": float((rewards.std(dim=1, unbiased=False) == 0).float().mean()),
         "completions/mean_length": float(lengths.mean()),

@@ -1,7 +1,8 @@
 """Built-in prompt sets generated from a seed (no download), by name: `records` (profiling), `passkey` (RL) and
 `manifest` (RL with long answers).
 
-Each task is `make_prompts(count, min_tokens, seed, tokenizer) -> list of {"prompt": messages, "answer": ...}`.
+Each task is `make_prompts(count, min_tokens, seed, tokenizer) -> list of {"prompt": messages, "answer": ...}`,
+where min_tokens is one length or one per example (`fitting.length_targets` spreads them for mixed lengths).
 """
 
 from __future__ import annotations

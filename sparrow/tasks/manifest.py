@@ -36,6 +36,7 @@ def make_example(rng: random.Random, entries: int, codes: int = CODES) -> dict:
             "answer": manifest}
 
 
-def make_prompts(count: int, min_tokens: int, seed: int, tokenizer) -> list[dict]:
-    """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer`."""
+def make_prompts(count: int, min_tokens: int | list[int], seed: int, tokenizer) -> list[dict]:
+    """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer` (one
+    length, or one per example)."""
     return fit_examples(make_example, count, min_tokens, seed, tokenizer, tokens_per_entry=16)
