@@ -65,6 +65,11 @@ def test_the_step_runs_on_any_backend_and_syncs_it_after_the_update():
     metrics = grpo_step(policy, fake, EXAMPLES, BYTES, const(64), _cfg(), seed=0)
     assert fake.calls == [(2, 4, const(64))] and fake.synced == [policy.model]
     assert metrics["completions/mean_length"] == sum(len(c.token_ids) for c in completions) / 8
+    # each group's prompt length and mean reward, for rewards by prompt length
+    assert metrics["prompts/length"] == [len(completions[0].prompt_token_ids), len(completions[4].prompt_token_ids)]
+    per_prompt = metrics["reward/per_prompt"]
+    assert len(per_prompt) == 2 and per_prompt[0] != per_prompt[1]
+    assert sum(per_prompt) / 2 == pytest.approx(metrics["reward/mean"])
 
 
 def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_by_the_bounds():
@@ -78,6 +83,7 @@ def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_b
     assert metrics["mismatch/exact/tokens"] == expected.numel()
     assert metrics["mismatch/exact/mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
     assert metrics["mismatch/exact/p5"] == pytest.approx(float(torch.quantile(expected, 0.05)), abs=1e-6)
+    assert metrics["mismatch/exact/p1"] == pytest.approx(float(torch.quantile(expected, 0.01)), abs=1e-6)
     assert metrics["mismatch/acceptance_lower/mean"] <= metrics["mismatch/exact/mean"]
     assert metrics["mismatch/exact/mean"] <= metrics["mismatch/acceptance_upper/mean"] + 1e-6
     low, high = metrics["mismatch/bin_0/exact_p5_low"], metrics["mismatch/bin_0/exact_p5_high"]

@@ -334,7 +334,8 @@ def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: Monitor
     interval lies below tau, and for each undecided one with the number of tokens that would decide it."""
     tails = bin_tails(alpha.cpu().numpy(), positions.cpu().numpy(), monitor.bin_size, monitor.tau)
     a = alpha.double()
-    metrics = {"mismatch/exact/p5": float(torch.quantile(a, 0.05)), "mismatch/exact/mean": float(a.mean()),
+    metrics = {"mismatch/exact/p5": float(torch.quantile(a, 0.05)), "mismatch/exact/p1": float(torch.quantile(a, 0.01)),
+               "mismatch/exact/mean": float(a.mean()),
                "mismatch/exact/tokens": int(a.numel()), "mismatch/exact/frac_above_0999": float((a > 0.999).double().mean())}
     warnings = []
     for t in tails:
