@@ -25,8 +25,8 @@ from transformers.utils.logging import disable_progress_bar
 from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.models import load_model, resolve_device
 from sparrow.measure import lockstep_acceptance, teacher_forced_acceptance
+from sparrow.models import load_model, resolve_device
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.trainer import train
 from sparrow.schedules import DENSE, const, steps

@@ -1,21 +1,35 @@
-"""Sparrow: sparse-attention rollouts for stable, efficient RL of language models."""
+"""Sparrow: sparse-attention rollouts for stable, efficient RL of language models.
 
-from sparrow.attention import SparseConfig
-from sparrow.attention.teacher_forced import sparse_forward
-from sparrow.engine import Completion, RolloutEngine, SamplingParams
-from sparrow.errors import SparrowError
-from sparrow.models import load_model
-from sparrow.schedules import DENSE, Schedule, parse_schedule
+The names below are loaded on first use, so that importing one layer (e.g. `sparrow.schedules`) does not import
+the layers above it (the engine, torch's model code); tests/test_layers.py holds that.
+"""
 
-__all__ = [
-    "DENSE",
-    "Completion",
-    "RolloutEngine",
-    "SamplingParams",
-    "Schedule",
-    "SparrowError",
-    "SparseConfig",
-    "load_model",
-    "parse_schedule",
-    "sparse_forward",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "DENSE": "sparrow.schedules",
+    "Completion": "sparrow.engine",
+    "RolloutEngine": "sparrow.engine",
+    "SamplingParams": "sparrow.engine",
+    "Schedule": "sparrow.schedules",
+    "SparrowError": "sparrow.errors",
+    "SparseConfig": "sparrow.attention",
+    "load_model": "sparrow.models",
+    "parse_schedule": "sparrow.schedules",
+    "sparse_forward": "sparrow.attention.teacher_forced",
+}
+
+__all__ = ["DENSE", "Completion", "RolloutEngine", "SamplingParams", "Schedule", "SparrowError", "SparseConfig",
+           "load_model", "parse_schedule", "sparse_forward"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparrow' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -194,22 +194,6 @@ class PromptSampler:
         return order
 
 
-def split_examples(examples: list, held_out: int, seed: int) -> tuple[list, list]:
-    """Split into (train, held-out) deterministically: the held-out examples are the first `held_out` of a
-    permutation seeded by `seed`; both parts keep the original order."""
-    held_out = check_int("held_out", held_out, 0)
-    seed = check_int("seed", seed, 0)
-    if held_out >= len(examples):
-        raise SparrowError(
-            f"held_out={held_out} leaves no training examples out of {len(examples)}; "
-            f"expected fewer than {len(examples)}"
-        )
-    chosen = set(np.random.default_rng(seed).permutation(len(examples))[:held_out].tolist())
-    train = [example for position, example in enumerate(examples) if position not in chosen]
-    held = [example for position, example in enumerate(examples) if position in chosen]
-    return train, held
-
-
 def read_prompts(path: str) -> list:
     """Prompts from a JSONL file: each line an object with a 'prompt' that is text or a list of chat messages,
     checked as training data is (`_prompt_problem`)."""

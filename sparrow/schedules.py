@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json
 
@@ -154,13 +153,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+DEFAULT_KEPT_PAGES = 3  # SparseConfig's default always-kept pages: 1 sink + 2 recent (a test holds them equal)
+
+
 def preset_names() -> list[str]:
     """Names of the published presets, in the JSON's order (by model, then target)."""
     return list(_load_presets())
 
 
 def parse_schedule(spec: str, page_size: int = 16,
-                   always_kept_pages: int = SparseConfig().always_kept_pages) -> Schedule:
+                   always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Schedule:
     """Build and validate a schedule from a command-line or config string (forms listed in the error below); its
     budgets must hold `always_kept_pages` whole pages (by default the default SparseConfig's sink + recent)."""
     schedule = _parse(str(spec).strip(), page_size)

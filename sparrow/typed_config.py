@@ -266,17 +266,6 @@ def from_mapping(cls, mapping: dict, source: str = "config"):
     return config
 
 
-def to_flat(config) -> dict[str, object]:
-    """{flat option name: value} of a config instance (what a checkpoint saves and a resume compares)."""
-    flat = {}
-    for option in options(type(config)):
-        value = config
-        for part in option.path:
-            value = getattr(value, part)
-        flat[option.name] = list(value) if isinstance(value, tuple) else value
-    return flat
-
-
 def to_nested(config) -> dict:
     """The config as nested sections of plain values (for YAML and the run's saved config)."""
     return {f.name: to_nested(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))

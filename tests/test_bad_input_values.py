@@ -10,7 +10,7 @@ import torch
 from sparrow import models
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import trajectory_cost
-from sparrow.measure.model_shapes import model_dims
+from sparrow.model_shapes import model_dims
 from sparrow.schedules import parse_schedule
 from tests.test_bad_input import check_refused, no_model_loading  # noqa: F401 (the fixture)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparrow.errors import SparrowError
+from sparrow.lora import LoraSpec, adapter_parameters, attach_adapter, base_parameters
 from sparrow.models import load_model
 from sparrow.rl.checkpoint import (
     checkpoint_problem,
@@ -18,7 +19,6 @@ from sparrow.rl.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sparrow.rl.distill import DistillConfig, adapter_parameters, attach_adapter, base_parameters
 
 
 def _trained(distill=False):
@@ -26,7 +26,7 @@ def _trained(distill=False):
     optimizers."""
     model, tokenizer = load_model("tiny-llama")
     if distill:
-        model = attach_adapter(model, DistillConfig(rank=2))
+        model = attach_adapter(model, LoraSpec(rank=2, alpha=16.0))
     optimizer = torch.optim.AdamW(base_parameters(model), lr=1e-3)
     adapter_optimizer = torch.optim.AdamW(adapter_parameters(model), lr=1e-3) if distill else None
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()

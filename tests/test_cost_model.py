@@ -22,7 +22,7 @@ from sparrow.measure.cost_model import (
     step_cost,
     trajectory_cost,
 )
-from sparrow.measure.model_shapes import SMOLLM2_135M, model_config, model_dims
+from sparrow.model_shapes import SMOLLM2_135M, model_config, model_dims
 from sparrow.schedules import DENSE, const, parse_schedule, steps
 
 SMALL = ModelDims(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=259, params=1000,

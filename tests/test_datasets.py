@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL / verl-style Parquet loading and its errors, the deterministic sampler, held-out splits."""
+"""Prompt datasets: JSONL / verl-style Parquet loading and its errors, the deterministic sampler."""
 
 import json
 
@@ -12,7 +12,6 @@ from sparrow.datasets import (
     Example,
     PromptSampler,
     load_examples,
-    split_examples,
 )
 from sparrow.errors import SparrowError
 
@@ -208,23 +207,3 @@ def test_sampler_rejects_bad_arguments(args):
 def test_sampler_rejects_bad_step():
     with pytest.raises(SparrowError, match="step must be an integer >= 0, got -1"):
         PromptSampler(4, 2, seed=0).batch(-1)
-
-
-# --- splitting ----------------------------------------------------------------------------------------------------
-
-
-def test_split_is_deterministic_and_sized():
-    examples = [Example(i, f"p{i}", i, {}) for i in range(20)]
-    train, held = split_examples(examples, held_out=5, seed=11)
-    assert (len(train), len(held)) == (15, 5)
-    assert sorted(e.index for e in train + held) == list(range(20))
-    assert [e.index for e in held] == sorted(e.index for e in held)
-    assert split_examples(examples, held_out=5, seed=11) == (train, held)
-    assert split_examples(examples, held_out=5, seed=12)[1] != held
-    assert split_examples(examples, held_out=0, seed=11) == (examples, [])
-
-
-@pytest.mark.parametrize("held_out", [-1, 3, 4])
-def test_split_rejects_bad_sizes(held_out):
-    with pytest.raises(SparrowError, match="held_out"):
-        split_examples([1, 2, 3], held_out=held_out, seed=0)

@@ -14,26 +14,27 @@ from sparrow.attention.interface import base_model
 from sparrow.datasets import DataSpec, Example, load_examples
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.lora import attach_adapter, base_parameters
 from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
-from sparrow.rl.batch import RolloutBatch, token_logprobs
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.distill import (
     DistillConfig,
     Distiller,
     SwitchState,
-    attach_adapter,
-    base_parameters,
     observe_probe,
     probe,
 )
 from sparrow.rl.losses import full_kl
-from sparrow.rl.step import Policy, StepConfig, grpo_step
+from sparrow.rl.step import Policy, StepConfig
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
+from sparrow.rollout.batch import RolloutBatch
 from sparrow.schedules import DENSE, const
 from sparrow.typed_config import build, flatten_mapping
 from tests.fake_backend import ReplayBackend
+from tests.reference import token_logprobs
+from tests.steps import grpo_step
 
 
 def byte_mean(prompts, completions, **_):
@@ -48,7 +49,7 @@ def _adapted(cfg: DistillConfig | None = None, b_std: float = 0.1):
     """tiny-qwen3 with a LoRA adapter whose B is nonzero, so the adapter changes the model's outputs."""
     cfg = cfg or DistillConfig(lr=1e-3)
     model, tok = load_model("tiny-qwen3")
-    model = attach_adapter(model, cfg)
+    model = attach_adapter(model, cfg.lora())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         for name, p in model.named_parameters():
@@ -120,7 +121,7 @@ def test_distillation_raises_the_acceptance_of_the_sparse_actor_against_the_dens
     budget of only the three always-kept pages; on this tiny model p5 goes 0.894 -> 0.941."""
     cfg = DistillConfig(lr=3e-3, kl_lambda=1.0)
     model, tok = load_model("tiny-qwen3")
-    model = attach_adapter(model, cfg)
+    model = attach_adapter(model, cfg.lora())
     distiller = Distiller(model, cfg)
     backend = NativeBackend(model, tok)
     prompts = [ex.prompt for ex in load_examples(DataSpec("examples/tiny-data.jsonl"))]
@@ -265,7 +266,7 @@ def test_bad_distill_train_options_stop_before_any_work(data, tmp_path, override
 def test_targets_that_match_nothing_are_refused():
     model, _ = load_model("tiny-qwen3")
     with pytest.raises(SparrowError, match="distill_targets 'nope_proj'"):
-        attach_adapter(model, DistillConfig(targets="nope_proj"))
+        attach_adapter(model, DistillConfig(targets="nope_proj").lora())
 
 
 def test_generate_takes_an_adapter_and_refuses_a_directory_that_is_not_one(tmp_path, capsys):

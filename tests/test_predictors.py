@@ -1,6 +1,7 @@
 """Tail or mean: rank correlations of acceptance statistics with reward retention, and the contrasting pairs."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ def test_rank_correlations_are_spearmans_against_retention():
     retention = [r.retention for r in RUNS]
     assert rho["p5"][0] == pytest.approx(stats.spearmanr([r.p5 for r in RUNS], retention)[0]) == 1.0
     assert rho["mean"][0] == pytest.approx(stats.spearmanr([r.mean for r in RUNS], retention)[0])
-    assert all(v != v for pair in rank_correlations(RUNS[:2]).values() for v in pair)  # nan below 3 runs
+    assert all(math.isnan(v) for pair in rank_correlations(RUNS[:2]).values() for v in pair)  # below 3 runs
 
 
 def test_a_pair_with_equal_means_and_distant_tails_names_the_statistic_that_ordered_it():

@@ -15,20 +15,22 @@ import torch
 from sparrow.datasets import Example
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.lora import adapter_parameters, attach_adapter
 from sparrow.models import load_model
-from sparrow.rl.distill import DistillConfig, Distiller, adapter_parameters, attach_adapter
-from sparrow.rl.step import Policy, StepConfig, grpo_step
+from sparrow.rl.distill import DistillConfig, Distiller
+from sparrow.rl.step import Policy, StepConfig
 from sparrow.rollout import NativeBackend
 from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.schedules import const
 from sparrow.typed_config import build
 from tests.conftest import random_prompts
+from tests.steps import grpo_step
 
 ray = pytest.importorskip("ray")
 from sparrow.rollout.ray_backend import pack_state, split_groups, unpack_state
 
 DISTILL = DistillConfig(enabled=True, rank=4)
-SPEC = ModelSpec("tiny-llama", max_batch_size=4, distill=DISTILL)
+SPEC = ModelSpec("tiny-llama", max_batch_size=4, lora=DISTILL.lora())
 SCHEDULE = const(48)
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7)
 PROMPTS = [*random_prompts([5, 60, 17, 41, 9], seed=3), "A text prompt", [{"role": "user", "content": "chat"}]]
@@ -37,7 +39,7 @@ PROMPTS = [*random_prompts([5, 60, 17, 41, 9], seed=3), "A text prompt", [{"role
 def _policy():
     """tiny-llama with a DistillSparse adapter whose B matrices are non-zero, so the adapter changes samples."""
     model, tokenizer = load_model("tiny-llama")
-    model = attach_adapter(model, DISTILL).eval()
+    model = attach_adapter(model, DISTILL.lora()).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in adapter_parameters(model):

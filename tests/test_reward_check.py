@@ -11,11 +11,12 @@ from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
-from sparrow.rl.step import Policy, StepConfig, grpo_step, reward_check_metrics
+from sparrow.rl.step import Policy, StepConfig, reward_check_metrics
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
 from sparrow.typed_config import build
+from tests.steps import grpo_step
 
 EXAMPLES = [Example(0, "the cat sat on the mat " * 12, "1", {}), Example(1, "a b c d e f g " * 20, "2", {})]
 KEYS = ("mismatch/reward_retention", "mismatch/reward_retention_low", "mismatch/reward_retention_high",

@@ -4,11 +4,13 @@ import torch
 
 from sparrow.attention.teacher_forced import SharedPrompt, sparse_forward
 from sparrow.engine import Completion, RolloutEngine, SamplingParams
-from sparrow.measure.metrics import acceptance_bounds, acceptance_rate
+from sparrow.measure.bounds import acceptance_bounds
+from sparrow.measure.divergence import acceptance_rate
 from sparrow.models import load_model
-from sparrow.rl.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces, token_logprobs
+from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
+from tests.reference import token_logprobs
 
 
 def _batch(llama, schedule):

@@ -11,11 +11,12 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
-from sparrow.rl.step import Policy, StepConfig, bound_metrics, exact_metrics, grpo_step
+from sparrow.rl.step import Policy, StepConfig, bound_metrics, exact_metrics
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import const
 from sparrow.typed_config import build
 from tests.fake_backend import ReplayBackend
+from tests.steps import grpo_step
 
 
 def byte_mean(prompts, completions, **_):

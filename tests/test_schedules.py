@@ -332,3 +332,11 @@ def test_cli_errors(capsys):
     assert all(name in err for name in EXPECTED)
     assert main(["schedule", "show", "const:100"]) == 2
     assert "budget 100 is not a positive multiple of the page size 16" in capsys.readouterr().err
+
+
+def test_the_default_kept_pages_are_sparse_configs_sink_and_recent_pages():
+    from sparrow.attention import SparseConfig
+
+    assert schedules.DEFAULT_KEPT_PAGES == SparseConfig().always_kept_pages == 3
+    with pytest.raises(SparrowError, match="always-kept"):
+        schedules.parse_schedule("const:32")  # two pages of 16 cannot hold the three kept ones

@@ -11,7 +11,7 @@ from pathlib import Path
 from sparrow.bench import cache_tokens, check_kv_cache_fits, machine_info, run_benchmark, run_vllm_benchmark
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
-from sparrow.measure.model_shapes import model_config
+from sparrow.model_shapes import model_config
 from sparrow.models import MODEL_NAMES, resolve_dtype
 from sparrow.rollout.factory import check_backend
 

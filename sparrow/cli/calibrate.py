@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from sparrow.errors import SparrowError
 from sparrow.measure.calibration import calibrate, eligible_schedules, profile_retention, retention_floor
 from sparrow.measure.cost_model import compare, hardware
-from sparrow.measure.model_shapes import model_dims
 from sparrow.measure.profiling import read_profile
+from sparrow.model_shapes import model_dims
 from sparrow.schedules import write_schedule_json
 
 from .common import check_output, require_file

@@ -12,8 +12,8 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
+from sparrow.lora import check_adapter_dir, load_adapter
 from sparrow.models import resolve_device, resolve_dtype
-from sparrow.rl.distill import check_adapter_dir, load_adapter
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_int
 

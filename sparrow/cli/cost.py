@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import (MAX_LENGTH, check_trajectory, compare, equal_cost_constant, hardware,
-                                        paper_cost)
-from sparrow.measure.model_shapes import model_dims
+from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, equal_cost_constant, hardware, paper_cost
+from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
 
 from .common import MODEL_HELP

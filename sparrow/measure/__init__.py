@@ -1,9 +1,11 @@
 """Measurement: how far sparse rollouts drift from the dense policy, and what they cost.
 
-metrics (acceptance, bounds, divergences, tail statistics; pure), acceptance (exact acceptance of finished
-rollouts), tail (p5 intervals per bin), profiling (per-schedule profiles), calibration (cheapest schedule
-holding tau; pure), cost_model (predicted cost of dense vs sparse rollouts; pure) and model_shapes (the
-shapes it prices, by model name or config.json).
+divergence (exact acceptance rate from full logits; pure), bounds (acceptance bounds from top-K log-probs;
+pure), checks (their shared input checks), acceptance (exact acceptance of finished rollouts), tail (tail
+statistics per length bin: p1 / p5 / p50, p5 intervals and verdicts; pure), retention (reward retention of
+paired samples; pure), predictors (which acceptance statistic predicts falling behind; pure), profiling
+(per-schedule profiles), calibration (cheapest schedule holding tau; pure) and cost_model (predicted cost of
+dense vs sparse rollouts; pure).
 """
 
 from .acceptance import lockstep_acceptance, piece_acceptance, teacher_forced_acceptance

@@ -20,8 +20,8 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.engine import Completion
 from sparrow.lora import without_adapter
-from sparrow.measure.metrics import acceptance_rate
-from sparrow.rl.batch import RolloutBatch, piece_logits, shared_prompt_pieces
+from sparrow.measure.divergence import acceptance_rate
+from sparrow.rollout.batch import RolloutBatch, piece_logits, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
 

@@ -22,77 +22,9 @@ import numpy as np
 from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
 from sparrow.errors import SparrowError
+from sparrow.model_shapes import ModelDims
 from sparrow.schedules import DENSE, Schedule, const
 from sparrow.typed_config import check_int
-
-_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                  "intermediate_size", "vocab_size")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes of a dense decoder-only transformer (Llama / Qwen2 / Qwen3 style) that the cost depends on."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    params: int
-    tied_embeddings: bool
-
-    @classmethod
-    def from_config(cls, config) -> ModelDims:
-        """Read a Hugging Face config; params = embeddings + attention + gated MLP + norms (+ untied lm_head).
-
-        Biases (always on q/k/v for Qwen2; `attention_bias` / `mlp_bias` elsewhere) and Qwen3's per-head q/k norms
-        are counted too, so params equals the model's parameter count.
-        """
-        for name in _CONFIG_FIELDS:
-            if getattr(config, name, None) is None:
-                kind = type(config).__name__
-                raise SparrowError(f"model config ({kind}) has no {name!r}; expected a Llama/Qwen2/Qwen3-style "
-                                   f"config with {', '.join(_CONFIG_FIELDS)}")
-        if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-            raise SparrowError(f"model config ({type(config).__name__}) is a mixture of experts; "
-                               "the cost model covers dense models only")
-        layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        intermediate, vocab = int(config.intermediate_size), int(config.vocab_size)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        model_type = getattr(config, "model_type", "")
-        q, kv = heads * head_dim, kv_heads * head_dim
-        attn = hidden * q + 2 * hidden * kv + q * hidden
-        if model_type == "qwen2":
-            attn += q + 2 * kv
-        elif getattr(config, "attention_bias", False):
-            attn += q + 2 * kv + hidden
-        mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if getattr(config, "mlp_bias", False) else 0)
-        norms = 2 * hidden + (2 * head_dim if model_type == "qwen3" else 0)
-        params = vocab * hidden * (1 if tied else 2) + layers * (attn + mlp + norms) + hidden
-        return cls(layers, hidden, heads, kv_heads, int(head_dim), intermediate, vocab, params, tied)
-
-    @property
-    def kv_width(self) -> int:
-        """D of SPEC 6: K (or V) elements cached per token over all layers = layers * kv_heads * head_dim."""
-        return self.layers * self.kv_heads * self.head_dim
-
-    @property
-    def gqa_ratio(self) -> float:
-        """r of SPEC 6: query heads per KV head."""
-        return self.heads / self.kv_heads
-
-    @property
-    def step_params(self) -> int:
-        """Parameters a decode step reads and multiplies by: all but an untied input embedding table.
-
-        The input embedding is a gather of one row per token; with tied embeddings the same table is read whole
-        as the lm_head, so it stays in.
-        """
-        return self.params - (0 if self.tied_embeddings else self.vocab * self.hidden)
 
 
 @dataclass(frozen=True)

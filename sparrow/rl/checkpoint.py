@@ -26,9 +26,9 @@ import torch
 from sparrow.attention.interface import base_model
 from sparrow.errors import SparrowError
 from sparrow.io import fsync_dir, umask
-from sparrow.lora import has_adapter
+from sparrow.lora import ADAPTER_MARK, has_adapter
 
-from .distill import ADAPTER_MARK, SwitchState
+from .distill import SwitchState
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_DIR = "adapter"

@@ -273,6 +273,16 @@ class RunSection:
 
 
 @dataclass(frozen=True)
+class StepConfig:
+    """The sections of the train config a step reads (shared with the run's `TrainConfig`, not copied)."""
+
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+
+
+@dataclass(frozen=True)
 class Parsed:
     """What validation derived once: the sparse settings, every schedule, the reward functions."""
 
@@ -328,10 +338,8 @@ class TrainConfig:
                              rewards)
         self._check_answers()
 
-    def step_config(self):
+    def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""
-        from .step import StepConfig
-
         return StepConfig(self.grpo, self.sampling, self.monitor, self.parsed.sparse)
 
     def _check_answers(self) -> None:

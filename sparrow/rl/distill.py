@@ -20,23 +20,21 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.errors import SparrowError
-from sparrow.lora import without_adapter
+from sparrow.lora import LoraSpec, adapter_parameters, base_parameters, without_adapter
 from sparrow.measure.acceptance import teacher_forced_acceptance
-from sparrow.measure.metrics import tail_stats
+from sparrow.measure.tail import tail_stats
+from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
 
-from .batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from .losses import FULL_KL_DIRECTIONS, full_kl, kl_penalty, ppo_clip_loss
 
 DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
-ADAPTER_MARK = "lora_"
 
 
 def _check_number(option: str, value, ok, expected: str) -> None:
@@ -95,58 +93,11 @@ class DistillConfig:
                 raise SparrowError(f"{name} must be an integer >= 1, got {value!r}")
 
     def target_modules(self) -> str | list[str]:
-        if self.targets.strip() == "all-linear":
-            return "all-linear"
-        return [name.strip() for name in self.targets.split(",") if name.strip()]
+        return self.lora().target_modules()
 
-
-def adapter_parameters(model) -> list[torch.nn.Parameter]:
-    return [p for name, p in model.named_parameters() if ADAPTER_MARK in name]
-
-
-def base_parameters(model) -> list[torch.nn.Parameter]:
-    """The policy's own parameters (everything but LoRA's): what the policy optimizer may hold."""
-    return [p for name, p in model.named_parameters() if ADAPTER_MARK not in name]
-
-
-def attach_adapter(model, cfg: DistillConfig, seed: int = 0):
-    """Wrap `model` in a peft LoRA model; its base weights stay trainable for the dense policy update.
-
-    peft's get_peft_model freezes the base; we unfreeze it, so give the policy optimizer `base_parameters` only.
-    The adapter's random init (A; B starts at zero) is drawn under `seed`, leaving the global RNG as it was.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=cfg.target_modules(),
-                      lora_dropout=cfg.dropout, task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            peft_model = get_peft_model(model, lora)
-        except ValueError as err:
-            raise SparrowError(f"distill_targets {cfg.targets!r} do not fit the model: {err}") from None
-    for p in peft_model.parameters():
-        p.requires_grad_(True)
-    return peft_model
-
-
-def check_adapter_dir(path: str | Path) -> Path:
-    path = Path(path)
-    if not (path / "adapter_config.json").is_file():
-        raise SparrowError(f"adapter {str(path)!r} is not a peft adapter directory: expected an adapter_config.json "
-                           "in it (as in <run>/checkpoint-N/adapter)")
-    return path
-
-
-def load_adapter(model, path: str | Path):
-    """`model` with the peft adapter saved in directory `path` (e.g. checkpoint-N/adapter), in eval mode."""
-    from peft import PeftModel
-
-    path = check_adapter_dir(path)
-    try:
-        return PeftModel.from_pretrained(model, str(path)).eval()
-    except (ValueError, RuntimeError, KeyError, OSError) as err:
-        raise SparrowError(f"adapter {str(path)!r} does not fit the model: {err}") from None
+    def lora(self) -> LoraSpec:
+        """The adapter's shape, as `sparrow.lora.attach_adapter` and the rollout workers' model spec take it."""
+        return LoraSpec(self.rank, self.alpha, self.targets, self.dropout)
 
 
 @contextlib.contextmanager

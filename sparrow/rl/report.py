@@ -158,8 +158,8 @@ def _plot_reward_vs_rollout_time(runs: dict, evals: dict, path: Path) -> None:
 def _held_out(evals: dict) -> list[str]:
     """Each run's first and last held-out reward with the last one's 95% interval over prompts, and, for runs
     evaluated on as many prompts as the first run, the paired difference from it (same prompts, same seed)."""
-    lines = ["", "Held-out reward (mean over samples) at the first and last evaluation, with the last one's 95% "
-             "interval over prompts:", ""]
+    lines = ["", ("Held-out reward (mean over samples) at the first and last evaluation, with the last one's 95% "
+                  "interval over prompts:"), ""]
     for name, rows in evals.items():
         last = rows[-1]
         interval = (f" [{last['eval/mean_low']:.3f}, {last['eval/mean_high']:.3f}]"
@@ -204,10 +204,9 @@ def _by_prompt_length(runs: dict, evals: dict) -> list[str]:
     def cell(values):
         return f"{sum(values) / len(values):.3f} ({len(values)})" if values else "-"
 
-    lines = ["", "Mean reward by prompt length (tokens; in brackets the prompts, each group or held-out prompt "
-             "counted once):", "", "| run | rewards | " + " | ".join(
-                 f"[{b * LENGTH_BUCKET}, {(b + 1) * LENGTH_BUCKET})" for b in buckets) + " |",
-             "|---|---|" + "---|" * len(buckets)]
+    header = " | ".join(f"[{b * LENGTH_BUCKET}, {(b + 1) * LENGTH_BUCKET})" for b in buckets)
+    lines = ["", ("Mean reward by prompt length (tokens; in brackets the prompts, each group or held-out prompt "
+                  "counted once):"), "", f"| run | rewards | {header} |", "|---|---|" + "---|" * len(buckets)]
     for name in runs:
         for what, table in (("rollouts", train.get(name)), ("held-out (last)", held.get(name))):
             if table:

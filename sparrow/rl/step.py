@@ -20,33 +20,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import SharedPrompt
 from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
-from sparrow.measure.metrics import acceptance_bounds, tail_stats
+from sparrow.measure.bounds import acceptance_bounds
 from sparrow.measure.retention import reward_retention
-from sparrow.measure.tail import bin_tails
+from sparrow.measure.tail import bin_tails, tail_stats
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend
+from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
-from .batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
-from .config import GRPOSection, MonitorSection, SamplingSection
+from .config import MonitorSection, StepConfig
 from .losses import compute_advantages, kl_penalty, policy_loss, tis_stats, tis_weights
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """The sections of the train config a step reads (shared with the run's `TrainConfig`, not copied)."""
-
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-    sampling: SamplingSection = field(default_factory=SamplingSection)
-    monitor: MonitorSection = field(default_factory=MonitorSection)
-    sparse: SparseConfig = field(default_factory=SparseConfig)
 
 
 @dataclass
@@ -449,9 +438,3 @@ def run_step(policy: Policy, backend: RolloutBackend, examples: list[Example], r
     with _Clock(step, "sync"):
         backend.sync_weights(policy.model)
     return step
-
-
-def grpo_step(policy: Policy, backend: RolloutBackend, examples: list[Example], reward_fns: list,
-              schedule: Schedule, cfg: StepConfig, seed: int, number: int = 0) -> dict:
-    """`run_step` and its metrics (see `step_metrics`)."""
-    return step_metrics(run_step(policy, backend, examples, reward_fns, schedule, cfg, seed, number), cfg)

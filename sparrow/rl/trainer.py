@@ -1,4 +1,4 @@
-"""The GRPO training loop around `grpo_step`: data order, optimizer, metrics (JSONL + TensorBoard), checkpoints.
+"""The GRPO training loop around `run_step`: data order, optimizer, metrics (JSONL + TensorBoard), checkpoints.
 
 Everything that varies between steps is a function of (seed, step): the prompts of step k come from the
 seeded sampler, and the rollout seed is derived from the step, so a run resumed from checkpoint-k draws the
@@ -19,6 +19,7 @@ from sparrow.engine import Completion, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.io import append_jsonl
+from sparrow.lora import attach_adapter, base_parameters
 from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout.factory import ModelSpec, create_backend
@@ -27,7 +28,7 @@ from sparrow.typed_config import to_nested
 from .adaptive import AdaptiveState, by_bin, start_state, update
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .distill import Distiller, SwitchState, attach_adapter, base_parameters, observe_probe, probe
+from .distill import Distiller, SwitchState, observe_probe, probe
 from .report import write_report
 from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
 from .step import Policy, run_step, step_metrics
@@ -48,14 +49,14 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     reference = copy.deepcopy(model).requires_grad_(False) if config.grpo.kl_coef > 0 else None  # initial policy
     distiller = None
     if config.distill.enabled:
-        model = attach_adapter(model, config.distill, seed=config.run.seed)
+        model = attach_adapter(model, config.distill.lora(), seed=config.run.seed)
         distiller = Distiller(model, config.distill, config.parsed.sparse)
     optimizer = torch.optim.AdamW(base_parameters(model), lr=config.grpo.learning_rate,
                                   weight_decay=config.grpo.weight_decay)
     policy = Policy(model, optimizer, tokenizer.pad_token_id or 0, reference, distiller)
     rollout = config.rollout
     spec = ModelSpec(config.model.name, config.model.dtype, config.model.device, config.parsed.sparse,
-                     rollout.max_batch_size, distill=config.distill if config.distill.enabled else None)
+                     rollout.max_batch_size, lora=config.distill.lora() if config.distill.enabled else None)
     backend = create_backend(model, tokenizer, spec, rollout.workers, rollout.ray_address, log=log,
                              cpus_per_worker=rollout.cpus_per_worker, wire_dtype=rollout.wire_dtype,
                              backend=rollout.backend)

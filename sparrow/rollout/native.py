@@ -22,7 +22,7 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         first = f"first missing: {missing[0]}" if missing else f"first unexpected: {extra[0]}"
         raise SparrowError(f"sync_weights: the policy's state dict differs from the rollout model's in "
                            f"{len(missing)} missing and {len(extra)} unexpected tensors ({first}); expected the same "
-                           "architecture and adapter (ModelSpec.distill / adapter)")
+                           "architecture and adapter (ModelSpec.lora / adapter)")
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
 

@@ -33,7 +33,7 @@ from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int
 
-from .factory import ModelSpec, check_rollout_workers
+from .model_spec import ModelSpec, check_rollout_workers
 from .native import NativeBackend, load_state
 
 CONNECT_TIMEOUT_S = 5.0

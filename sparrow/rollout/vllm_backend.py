@@ -27,7 +27,7 @@ from sparrow.attention import SparseConfig
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
 from sparrow.engine.engine import check_prompt_keys, final_text, kv_budgets
 from sparrow.errors import SparrowError
-from sparrow.measure.model_shapes import model_dims
+from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int
 from sparrow.vllm import config as plugin_config

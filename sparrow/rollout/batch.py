@@ -2,8 +2,8 @@
 
 `RolloutBatch.from_completions` packs engine completions (prompt + generated tokens, right-padded) with the
 per-token records the update needs: the rollout (sparse) log-probs, the rollout's top-K log-probs and the KV
-budget in force. `token_logprobs` runs a model over the batch and returns the log-probs of the sampled tokens,
-reading the full-vocabulary logits a chunk of positions at a time.
+budget in force. The rest splits a batch into pieces that share a prompt and computes their logits and the
+log-probs of their sampled tokens, each prompt once (the recompute, the monitor and the update all use it).
 """
 
 from __future__ import annotations
@@ -62,18 +62,6 @@ class RolloutBatch:
 
     def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                   chunk: int = 1024) -> torch.Tensor:
-    """log softmax(logits / T) of the next tokens: logits [B, T, V] -> [B, T-1], in float32, chunked over T."""
-    targets = input_ids[:, 1:]
-    out = []
-    for start in range(0, targets.shape[1], chunk):
-        stop = min(start + chunk, targets.shape[1])
-        lp = torch.log_softmax(logits[:, start:stop].float() / temperature, dim=-1)
-        out.append(lp.gather(-1, targets[:, start:stop, None]).squeeze(-1))
-    return torch.cat(out, dim=1)
 
 
 def same_prompt(batch: RolloutBatch, a: int, b: int) -> bool:

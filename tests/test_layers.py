@@ -1,0 +1,90 @@
+"""The package's layers: each imports only from its own layer or below, and no two modules import each other.
+
+Checked twice: statically (every `import` in every module, function-level ones included, against the layer table)
+and by importing each layer in a fresh interpreter and listing which `sparrow.*` modules got loaded.
+"""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "sparrow"
+LAYERS = [
+    ["sparrow.errors", "sparrow.io", "sparrow.typed_config"],
+    ["sparrow.schedules", "sparrow.attention", "sparrow.lora", "sparrow.models", "sparrow.model_shapes"],
+    ["sparrow.engine", "sparrow.datasets", "sparrow.rewards", "sparrow.tasks"],
+    ["sparrow.rollout", "sparrow.vllm"],
+    ["sparrow.measure", "sparrow.evaluation"],
+    ["sparrow.rl"],
+    ["sparrow.cli", "sparrow.bench"],
+]
+
+
+def layer_of(module: str) -> int:
+    top = ".".join(module.split(".")[:2])
+    for number, members in enumerate(LAYERS):
+        if top in members:
+            return number
+    raise AssertionError(f"{module} is in no layer of tests/test_layers.py; add its package to LAYERS")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The sparrow modules `module` imports anywhere in its file (a name imported from a package counts as its
+    submodule when it is one)."""
+    modules, package = _modules(), module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("sparrow")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.startswith("sparrow"):
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return found - {module}
+
+
+def test_every_import_goes_to_the_same_layer_or_below():
+    climbs = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+              for m, path in _modules().items() if m != "sparrow" for t in _imports(m, path)
+              if t != "sparrow" and layer_of(t) > layer_of(m)]
+    assert climbs == []
+
+
+def test_no_two_modules_import_each_other_even_through_others():
+    graph = {m: _imports(m, path) - {"sparrow"} for m, path in _modules().items()}
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted({tuple(sorted((m, t))) for m in graph for t in graph[m] if m in reaches(t)})
+    assert cycles == []
+
+
+@pytest.mark.parametrize("number", range(len(LAYERS) - 1))
+def test_importing_a_layer_loads_nothing_above_it(number):
+    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in LAYERS[number])
+            + "print(json.dumps(sorted(m for m in sys.modules if m.startswith('sparrow.'))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       cwd=ROOT.parent).stdout)
+    above = [m for m in loaded if layer_of(m) > number]
+    assert above == [] and set(LAYERS[number]) <= set(loaded)
