@@ -1,7 +1,8 @@
 """One GRPO step and its metrics, as the trainer runs them (`run_step`, then `step_metrics`)."""
 
 from sparrow.rl.config import StepConfig
-from sparrow.rl.step import Policy, run_step, step_metrics
+from sparrow.rl.step import Policy, run_step
+from sparrow.rl.step_metrics import step_metrics
 from sparrow.schedules import Schedule
 
 

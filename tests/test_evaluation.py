@@ -28,10 +28,15 @@ def test_pass_at_1_is_the_pass_rate_and_bad_arguments_fail():
 def test_eval_command_reports_mean_and_pass_at_k(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(3)))
-    code = main(["eval", "--model", "tiny-llama", "--data", str(data), "--k", "4", "--max-new-tokens", "4",
-                 "--schedule", "const:48", "--reward", "examples/toy_reward.py:byte_mean", "--threshold", "0.3",
-                 "--json"])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["examples"] == 3 and 0 <= result["mean@4"] <= 1
-    assert 0 <= result["pass@1"] <= result["pass@2"] <= result["pass@4"] <= 1
+    results = {}
+    for threshold in ("0", "2"):  # byte_mean lies in [0, 1]: every sample passes at 0, none at 2
+        code = main(["eval", "--model", "tiny-llama", "--data", str(data), "--k", "4", "--max-new-tokens", "4",
+                     "--schedule", "const:48", "--reward", "examples/toy_reward.py:byte_mean", "--threshold",
+                     threshold, "--json"])
+        assert code == 0
+        results[threshold] = json.loads(capsys.readouterr().out)
+    every, none = results["0"], results["2"]
+    assert every["examples"] == 3 and every["mean@4"] == none["mean@4"]  # same seed, same samples
+    assert [every[f"pass@{k}"] for k in (1, 2, 4)] == [1.0, 1.0, 1.0]
+    assert [none[f"pass@{k}"] for k in (1, 2, 4)] == [0.0, 0.0, 0.0]
+    assert sum(every["per_example_mean"]) / 3 == pytest.approx(every["mean@4"]) and len(every["prompt_length"]) == 3

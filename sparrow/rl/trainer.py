@@ -31,7 +31,8 @@ from .config import TrainConfig
 from .distill import Distiller, SwitchState, observe_probe, probe
 from .report import write_report
 from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
-from .step import Policy, run_step, step_metrics
+from .step import Policy, run_step
+from .step_metrics import step_metrics
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
 _PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)

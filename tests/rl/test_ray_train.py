@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 # on as many threads the floats match bit for bit (waves of several prompts pad to their longest prompt, and MKL's
 # AVX2 products sum in an order that depends on the thread count; either moves log-probs by ~1e-6, see
 # docs/scale-out.md)
-ARGS = ["--model", "tiny-llama", "--reward", "tests.test_trainer:byte_mean", "--steps", "2", "--prompts-per-step",
+ARGS = ["--model", "tiny-llama", "--reward", "tests.rl.test_trainer:byte_mean", "--steps", "2", "--prompts-per-step",
         "3", "--num-generations", "2", "--max-batch-size", "2", "--max-new-tokens", "12", "--learning-rate", "1e-3",
         "--schedule", "const:48", "--micro-batch-size", "4", "--bin-size", "64", "--seed", "3"]
 
@@ -70,7 +70,7 @@ def test_eval_and_profile_on_a_ray_worker_equal_them_in_this_process(tmp_path, c
     common = ["--model", "tiny-llama", "--max-new-tokens", "8", "--seed", "1"]
     results = []
     for extra in ([], ["--rollout-workers", "1"]):
-        assert main(["eval", "--data", str(data), "--reward", "tests.test_trainer:byte_mean", "--k", "2",
+        assert main(["eval", "--data", str(data), "--reward", "tests.rl.test_trainer:byte_mean", "--k", "2",
                      "--schedule", "const:48", "--json", *common, *extra]) == 0
         results.append(json.loads(capsys.readouterr().out))
     assert results[0] == results[1] and results[0]["samples_per_example"] == 2

@@ -50,7 +50,7 @@ def test_the_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                           "not test_the_kernels_under_the_interpreter"],
-                         cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300,
                          check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout, run.stdout[-1000:]

@@ -11,7 +11,8 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
-from sparrow.rl.step import Policy, StepConfig, bound_metrics, exact_metrics
+from sparrow.rl.step import Policy, StepConfig
+from sparrow.rl.step_metrics import bound_metrics, exact_metrics
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import const
 from sparrow.typed_config import build

@@ -15,7 +15,7 @@ from tests.conftest import save_tiny_for_vllm
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ def data(tmp_path):
 
 
 def _config(data, out, **overrides):
-    values = dict(model="tiny-qwen3", data=str(data), reward=["tests.test_trainer:byte_mean"], steps=2,
+    values = dict(model="tiny-qwen3", data=str(data), reward=["tests.rl.test_trainer:byte_mean"], steps=2,
                   prompts_per_step=2, num_generations=3, max_new_tokens=8, learning_rate=1e-3,
                   schedule="const:48", micro_batch_size=4, output_dir=str(out))
     return build(TrainConfig, {**values, **overrides})
@@ -103,7 +103,7 @@ def test_the_train_command_reads_yaml_and_flags(data, tmp_path, capsys):
     from sparrow.cli import main
 
     config = tmp_path / "cfg.yaml"
-    config.write_text(f"model: tiny-qwen3\ndata: {data}\nreward: [tests.test_trainer:byte_mean]\nsteps: 5\n"
+    config.write_text(f"model: tiny-qwen3\ndata: {data}\nreward: [tests.rl.test_trainer:byte_mean]\nsteps: 5\n"
                       "prompts_per_step: 1\nnum_generations: 2\nmax_new_tokens: 4\n")
     out = tmp_path / "cli"
     assert main(["train", "--config", str(config), "--steps", "1", "--output-dir", str(out),
@@ -179,8 +179,8 @@ def test_the_example_configs_name_only_known_options(path):
 
 def test_nested_sections_and_flat_names_build_the_same_config(data, tmp_path):
     flat = from_mapping(TrainConfig, {"data": str(data), "learning_rate": 3e-4, "distill": True, "distill_lr": 0.01,
-                                      "eval_every": 3, "model": "tiny-llama", "reward": ["tests.test_trainer:byte_mean"]})
-    nested = from_mapping(TrainConfig, {"data": {"path": str(data), "reward": ["tests.test_trainer:byte_mean"]},
+                                      "eval_every": 3, "model": "tiny-llama", "reward": ["tests.rl.test_trainer:byte_mean"]})
+    nested = from_mapping(TrainConfig, {"data": {"path": str(data), "reward": ["tests.rl.test_trainer:byte_mean"]},
                                         "grpo": {"learning_rate": 3e-4}, "distill": {"enabled": True, "lr": 0.01},
                                         "eval": {"every": 3}, "model": {"name": "tiny-llama"}})
     assert flat == nested and flat.grpo.learning_rate == 3e-4 and flat.distill.lr == 0.01

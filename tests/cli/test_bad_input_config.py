@@ -1,4 +1,4 @@
-"""Bad `--config` files end like every other bad input (tests/test_bad_input.py): exit code 2 and one line
+"""Bad `--config` files end like every other bad input (tests/cli/test_bad_input.py): exit code 2 and one line
 `sparrow CMD: error: ...` on stderr naming the problem, before any model is loaded."""
 
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 from sparrow.cli import main
 from sparrow.errors import SparrowError
 from sparrow.typed_config import load_yaml
-from tests.test_bad_input import no_model_loading  # noqa: F401 (the fixture)
+from tests.cli.test_bad_input import no_model_loading  # noqa: F401 (the fixture)
 
 BOMB = ('a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
         + "".join(f"{name}: &{name} [{', '.join([f'*{last}'] * 9)}]\n" for last, name in zip("abcdefgh", "bcdefghi"))

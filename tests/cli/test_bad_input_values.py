@@ -1,4 +1,4 @@
-"""Bad values of the second audit: each ends as tests/test_bad_input.py requires (exit code 2, one line
+"""Bad values of the second audit: each ends as tests/cli/test_bad_input.py requires (exit code 2, one line
 `sparrow CMD: error: ...`, no traceback), refused before any model is loaded where the value is known then."""
 
 import json
@@ -12,7 +12,7 @@ from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import trajectory_cost
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import parse_schedule
-from tests.test_bad_input import check_refused, no_model_loading  # noqa: F401 (the fixture)
+from tests.cli.test_bad_input import check_refused, no_model_loading  # noqa: F401 (the fixture)
 
 
 @pytest.fixture(scope="module")

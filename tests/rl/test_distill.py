@@ -149,7 +149,7 @@ def test_the_measured_dense_policy_runs_without_the_adapter():
 
 
 def _config(data, out, **overrides):
-    values = {"model": "tiny-qwen3", "data": str(data), "reward": ["tests.test_distill:byte_mean"], "steps": 2,
+    values = {"model": "tiny-qwen3", "data": str(data), "reward": ["tests.rl.test_distill:byte_mean"], "steps": 2,
               "prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 8, "learning_rate": 1e-3,
               "schedule": "const:64", "micro_batch_size": 4, "output_dir": str(out), "distill": True,
               "distill_lr": 1e-3, "switch_schedule": "const:48", "probe_every": 1, "probe_prompts": 1,

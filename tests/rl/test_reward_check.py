@@ -11,7 +11,8 @@ from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
-from sparrow.rl.step import Policy, StepConfig, reward_check_metrics
+from sparrow.rl.step import Policy, StepConfig
+from sparrow.rl.step_metrics import reward_check_metrics
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
@@ -122,7 +123,7 @@ def test_training_logs_the_check_on_its_steps_warns_naming_the_step_and_plots_it
     data.write_text("".join(json.dumps({"prompt": "abc " * (10 + i), "answer": str(i)}) + "\n" for i in range(5)))
     out = tmp_path / "run"
     config = build(TrainConfig, {"model": "tiny-qwen3", "data": str(data),
-                                 "reward": ["tests.test_reward_check:byte_mean"], "steps": 3, "prompts_per_step": 2,
+                                 "reward": ["tests.rl.test_reward_check:byte_mean"], "steps": 3, "prompts_per_step": 2,
                                  "num_generations": 3, "max_new_tokens": 8,
                                  "schedule": "const:1024", "output_dir": str(out), "min_retention": 1.5,
                                  "reward_check_every": 2})

@@ -298,7 +298,7 @@ def test_grpo_steps_with_the_vllm_backend_sync_weights_and_train(tmp_path):
     out = tmp_path / "run"
     model_dir = save_tiny_for_vllm(tmp_path / "tiny", "llama")
     assert main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
-                 "--backend", "vllm", "--reward", "tests.test_trainer:byte_mean", "--steps", "2",
+                 "--backend", "vllm", "--reward", "tests.rl.test_trainer:byte_mean", "--steps", "2",
                  "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "12",
                  "--learning-rate", "1e-3", "--schedule", "const:64", "--micro-batch-size", "4", "--bin-size", "64",
                  "--seed", "3", "--monitor", "exact"]) == 0
