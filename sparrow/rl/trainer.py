@@ -2,8 +2,8 @@
 
 Everything that varies between steps is a function of (seed, step): the prompts of step k come from the
 seeded sampler, and the rollout seed is derived from the step, so a run resumed from checkpoint-k draws the
-same data and samples as an uninterrupted one and ends with the same parameters. The one piece of state that is
-not, DistillSparse's schedule switch, is saved in the checkpoint's trainer state.
+same data and samples as an uninterrupted one and ends with the same parameters. The schedule controller's state
+(the adaptive budgets, DistillSparse's switch; rl/controllers.py) is saved in the checkpoint's trainer state.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from sparrow.rewards.scoring import score_examples
 from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.typed_config import to_nested
 
-from .adaptive import AdaptiveState, by_bin, start_state, update
+from .adaptive import start_state
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .distill import Distiller, SwitchState, observe_probe, probe
+from .controllers import AdaptiveSchedule, FixedSchedule, SwitchSchedule
+from .distill import Distiller
 from .report import write_report
 from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
 from .step import Policy, run_step
 from .step_metrics import step_metrics
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
-_PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
 _STAND_INS = ("1", "The answer is 2.")  # completions `_check_reward_functions` scores before the first rollout
 
 
@@ -122,15 +122,13 @@ def _train(config: TrainConfig, log) -> list[dict]:
     _check_reward_functions(config.parsed.rewards, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
     try:
-        schedule, candidate = config.parsed.schedule, config.parsed.switch_schedule
+        controller = _controller(config, policy, backend, examples, probes, tokenizer)
         adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
-        start, switch = 0, SwitchState()
-        adaptive = _adaptive_start(config, examples, tokenizer) if config.parsed.adaptive else None
+        start = 0
         if resume_from is not None:
             state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
-            start, switch = state["step"], SwitchState.from_json(state.get("switch"))
-            if adaptive is not None:
-                adaptive = AdaptiveState.from_json(state["adaptive"])
+            start = state["step"]
+            controller.restore(state)
             backend.sync_weights(policy.model)
             log(f"resumed from {resume_from[1]} at step {start}")
         from torch.utils.tensorboard import SummaryWriter
@@ -144,39 +142,20 @@ def _train(config: TrainConfig, log) -> list[dict]:
         for step in range(start, grpo.steps):
             began = time.perf_counter()
             batch = [examples[i] for i in sampler.batch(step)]
-            if adaptive is not None:
-                schedule = adaptive.schedule()
-            done = run_step(policy, backend, batch, rewards, candidate if switch.switched else schedule, step_cfg,
-                            seed=run.seed * 1_000_003 + step, number=step + 1,
-                            measure={"cheaper": adaptive.schedule(-1)} if adaptive is not None else None)
+            done = run_step(policy, backend, batch, rewards, controller.schedule(), step_cfg,
+                            seed=run.seed * 1_000_003 + step, number=step + 1, measure=controller.measure())
             metrics = {**step_metrics(done, step_cfg), **getattr(backend, "stats", {})}
-            if adaptive is not None:
-                adaptive, moved = _adapt(config, adaptive, done, metrics)
-                for event in moved:
-                    log(f"step {step + 1}: adaptive schedule: {event}")
-            if candidate is not None:
-                switch, probed = _probe_step(config, policy, backend, probes, candidate, switch, step + 1, log)
-                metrics.update(probed)
+            for event in controller.after_step(step + 1, done, metrics):
+                log(event)
             metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}
-            append_jsonl(out / "metrics.jsonl", metrics)
             history.append(metrics)
-            for name, value in metrics.items():
-                if isinstance(value, (int, float)) and name != "step":
-                    board.add_scalar(name, value, step + 1)
-            board.flush()
-            for warning in metrics["mismatch/warnings"]:
-                log(f"warning: step {step + 1}: {warning}")
-            distilled = f"  distill {metrics['distill/loss']:.4f}" if policy.distiller else ""
-            log(f"step {step + 1}/{grpo.steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
-                f"len {metrics['completions/mean_length']:.0f}{distilled}  {metrics['time/step_s']:.1f}s"
-                f"{_worker_line(metrics)}")
+            _log_step(metrics, grpo.steps, out, board, log, distilled=policy.distiller is not None)
             if held_out is not None and ((step + 1) % config.eval.every == 0 or step + 1 == grpo.steps):
                 _evaluate(config, backend, held_out, rewards, step + 1, out, board, log)
             if (step + 1) % run.save_every == 0 or step + 1 == grpo.steps:
                 save_checkpoint(out, step + 1, policy.model, tokenizer, policy.optimizer,
-                                {"config": to_nested(config), "data": data, "switch": switch.to_json(),
-                                 **({"adaptive": adaptive.to_json()} if adaptive is not None else {})},
-                                run.keep_last, adapter_optimizer)
+                                {"config": to_nested(config), "data": data, **controller.state()}, run.keep_last,
+                                adapter_optimizer)
         board.close()
         write_report([out], out)
         log(f"wrote {out / 'metrics.jsonl'} and {out / 'report.md'}")
@@ -194,27 +173,33 @@ def _worker_line(metrics: dict) -> str:
             f"tokens/s {' '.join(rates)})")
 
 
-def _adaptive_start(config: TrainConfig, examples: list, tokenizer) -> AdaptiveState:
-    """The adaptive schedule's first state: `adaptive_start`'s budgets on bins of `bin_size` up to the longest
-    prompt plus max_new_tokens."""
-    longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
-    sparse = config.parsed.sparse
-    return start_state(config.parsed.schedule, config.monitor.bin_size, longest, sparse.page_size,
-                       sparse.always_kept_pages)
+def _controller(config: TrainConfig, policy: Policy, backend, examples: list, probes: list, tokenizer):
+    """The run's schedule controller (rl/controllers.py). The adaptive one starts from `adaptive_start`'s budgets
+    on bins of `bin_size` up to the longest prompt plus max_new_tokens."""
+    if config.parsed.adaptive:
+        longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
+        sparse = config.parsed.sparse
+        return AdaptiveSchedule(config, start_state(config.parsed.schedule, config.monitor.bin_size, longest,
+                                                    sparse.page_size, sparse.always_kept_pages))
+    if config.parsed.switch_schedule is not None:
+        return SwitchSchedule(config, policy, backend, probes)
+    return FixedSchedule(config.parsed.schedule)
 
 
-def _adapt(config: TrainConfig, state: AdaptiveState, done, metrics: dict) -> tuple[AdaptiveState, list[str]]:
-    """Advance the adaptive schedule on this step's exact acceptance (the schedule in force and one rung cheaper);
-    its budgets in force this step go into `metrics` as `adaptive/bin_<start>/budget`."""
-    for i, budget in enumerate(state.budgets):
-        metrics[f"adaptive/bin_{i * state.bin_size}/budget"] = budget
-    if done.exact is None:
-        return state, []
-    positions = done.exact_at.cpu().numpy()
-    size, ad = state.bin_size, config.adaptive
-    return update(state, by_bin(done.exact.cpu().numpy(), positions, size),
-                  by_bin(done.measured["cheaper"].cpu().numpy(), positions, size), config.monitor.tau, ad.margin,
-                  ad.patience, ad.min_tokens)
+def _log_step(metrics: dict, steps: int, out: Path, board, log, distilled: bool) -> None:
+    """A finished step's row in metrics.jsonl and TensorBoard, its warnings and its progress line."""
+    step = metrics["step"]
+    append_jsonl(out / "metrics.jsonl", metrics)
+    for name, value in metrics.items():
+        if isinstance(value, (int, float)) and name != "step":
+            board.add_scalar(name, value, step)
+    board.flush()
+    for warning in metrics["mismatch/warnings"]:
+        log(f"warning: step {step}: {warning}")
+    distill = f"  distill {metrics['distill/loss']:.4f}" if distilled else ""
+    log(f"step {step}/{steps}  reward {metrics['reward/mean']:.3f}  loss {metrics['loss']:.4f}  "
+        f"len {metrics['completions/mean_length']:.0f}{distill}  {metrics['time/step_s']:.1f}s"
+        f"{_worker_line(metrics)}")
 
 
 def _evaluate(config: TrainConfig, backend, examples: list, rewards: list, step: int, out: Path, board,
@@ -252,24 +237,3 @@ def _probe_split(config: TrainConfig, examples: list) -> tuple[list, list]:
         raise SparrowError(f"{config.data.path} has {len(examples)} rows: holding out probe_prompts={n} of them for "
                            "the switch probes leaves none to train on; lower probe_prompts or give a probe_data file")
     return examples[:-n], examples[-n:]
-
-
-def _probe_step(config: TrainConfig, policy: Policy, backend, probes: list, candidate, switch: SwitchState,
-                step: int, log) -> tuple[SwitchState, dict]:
-    """After completed step `step`, every `probe_every` steps until the switch: measure the candidate schedule's
-    exact acceptance on the probe prompts and advance the switch state; returns it and `probe/...` metrics."""
-    distill, metrics = config.distill, {}
-    if not switch.switched and step % distill.probe_every == 0:
-        clock = time.perf_counter()
-        sampling = config.sampling.params(seed=_PROBE_SEED + config.run.seed * 1_000_003 + step)
-        bins, metrics = probe(backend, policy.model, [ex.prompt for ex in probes], candidate, sampling,
-                              config.grpo.num_generations, config.parsed.sparse, config.monitor.bin_size,
-                              policy.pad_id)
-        switch = observe_probe(switch, bins, config.monitor.tau, distill.probe_patience, step)
-        metrics.update({"probe/streak": switch.streak, "time/probe_s": time.perf_counter() - clock})
-        if switch.switched:
-            log(f"step {step}: every length bin's 5th percentile of acceptance under {distill.switch_schedule} "
-                f"reached tau {config.monitor.tau} on {distill.probe_patience} consecutive probes; rollouts switch "
-                "to it")
-    metrics["distill/switched"] = float(switch.switched)
-    return switch, metrics

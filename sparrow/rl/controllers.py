@@ -1,0 +1,113 @@
+"""Who picks each training step's schedule: one controller per run, so the training loop has no special cases.
+
+`FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length bin's budget on the step's
+exact acceptance (rl/adaptive.py). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few
+steps on held-out prompts and switches to it once its tail holds tau. The loop asks `schedule()` and `measure()`
+(schedules to teacher-force beside it) before a step, passes the finished step to `after_step` (which may add
+metrics and returns messages to log), and saves `state()` with each checkpoint (`restore` on resume).
+"""
+
+from __future__ import annotations
+
+import time
+
+from sparrow.schedules import Schedule
+
+from .adaptive import AdaptiveState, by_bin, update
+from .config import TrainConfig
+from .distill import SwitchState, observe_probe, probe
+from .step import Policy, StepBatch
+
+PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
+
+
+class FixedSchedule:
+    """The configured schedule at every step."""
+
+    def __init__(self, schedule: Schedule):
+        self.fixed = schedule
+
+    def schedule(self) -> Schedule:
+        return self.fixed
+
+    def measure(self) -> dict[str, Schedule] | None:
+        return None
+
+    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+        return []
+
+    def state(self) -> dict:
+        return {}
+
+    def restore(self, saved: dict) -> None:
+        pass
+
+
+class AdaptiveSchedule(FixedSchedule):
+    """The adaptive controller: the schedule in force and one rung cheaper are measured every step, and each
+    bin's budget moves as `adaptive.update` decides; the budgets in force go into the metrics as
+    `adaptive/bin_<start>/budget`."""
+
+    def __init__(self, config: TrainConfig, start: AdaptiveState):
+        self.config, self.current = config, start
+
+    def schedule(self) -> Schedule:
+        return self.current.schedule()
+
+    def measure(self) -> dict[str, Schedule]:
+        return {"cheaper": self.current.schedule(-1)}
+
+    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+        state = self.current
+        for i, budget in enumerate(state.budgets):
+            metrics[f"adaptive/bin_{i * state.bin_size}/budget"] = budget
+        if done.exact is None:
+            return []
+        positions, size, ad = done.exact_at.cpu().numpy(), state.bin_size, self.config.adaptive
+        self.current, moved = update(state, by_bin(done.exact.cpu().numpy(), positions, size),
+                                     by_bin(done.measured["cheaper"].cpu().numpy(), positions, size),
+                                     self.config.monitor.tau, ad.margin, ad.patience, ad.min_tokens)
+        return [f"step {step}: adaptive schedule: {event}" for event in moved]
+
+    def state(self) -> dict:
+        return {"adaptive": self.current.to_json()}
+
+    def restore(self, saved: dict) -> None:
+        self.current = AdaptiveState.from_json(saved["adaptive"])
+
+
+class SwitchSchedule(FixedSchedule):
+    """DistillSparse's switch: the configured schedule until `probe_patience` consecutive probes (every
+    `probe_every` steps, the candidate schedule's exact acceptance on the probe prompts) hold every length bin's
+    p5 at tau; the candidate from then on. Logs `probe/...` metrics and `distill/switched`."""
+
+    def __init__(self, config: TrainConfig, policy: Policy, backend, probes: list):
+        super().__init__(config.parsed.schedule)
+        self.config, self.policy, self.backend, self.probes = config, policy, backend, probes
+        self.candidate, self.switch = config.parsed.switch_schedule, SwitchState()
+
+    def schedule(self) -> Schedule:
+        return self.candidate if self.switch.switched else self.fixed
+
+    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+        config, distill, events = self.config, self.config.distill, []
+        if not self.switch.switched and step % distill.probe_every == 0:
+            clock = time.perf_counter()
+            sampling = config.sampling.params(seed=PROBE_SEED + config.run.seed * 1_000_003 + step)
+            bins, probed = probe(self.backend, self.policy.model, [ex.prompt for ex in self.probes], self.candidate,
+                                 sampling, config.grpo.num_generations, config.parsed.sparse, config.monitor.bin_size,
+                                 self.policy.pad_id)
+            self.switch = observe_probe(self.switch, bins, config.monitor.tau, distill.probe_patience, step)
+            metrics.update({**probed, "probe/streak": self.switch.streak, "time/probe_s": time.perf_counter() - clock})
+            if self.switch.switched:
+                events.append(f"step {step}: every length bin's 5th percentile of acceptance under "
+                              f"{distill.switch_schedule} reached tau {config.monitor.tau} on {distill.probe_patience} "
+                              "consecutive probes; rollouts switch to it")
+        metrics["distill/switched"] = float(self.switch.switched)
+        return events
+
+    def state(self) -> dict:
+        return {"switch": self.switch.to_json()}
+
+    def restore(self, saved: dict) -> None:
+        self.switch = SwitchState.from_json(saved.get("switch"))
