@@ -32,7 +32,7 @@ from sparrow.measure.tail import tail_stats
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
 
-from .losses import FULL_KL_DIRECTIONS, full_kl, kl_penalty, ppo_clip_loss
+from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, ppo_clip_loss
 
 DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
 
@@ -168,8 +168,7 @@ class Distiller:
                     inside = batch.mask[piece, span].bool()
                     kl = full_kl(logits[inside], dense_logits[inside], self.cfg.kl, temperature).mean()
                 loss = ppo + self.cfg.kl_lambda * kl
-                share = (mask.sum() / tokens if grpo.loss_aggregation == "token-mean"
-                         else torch.tensor(len(piece) / len(rows)))
+                share = accumulation_share(mask, tokens, len(piece), len(rows), grpo.loss_aggregation)
                 (loss * share).backward()
                 for name, value in (("loss", loss), ("ppo_loss", ppo), ("kl", kl)):
                     totals[name] += float(value.detach() * share)

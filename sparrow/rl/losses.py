@@ -227,6 +227,18 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
     return total, metrics
 
 
+def accumulation_share(mask: torch.Tensor, tokens: torch.Tensor, rows: int, total_rows: int,
+                       aggregation: str) -> torch.Tensor:
+    """The weight of one micro-batch's loss when micro-batches are accumulated into one optimizer step: its share
+    of the step's tokens (`mask` its token mask, `tokens` the step's) under token-mean aggregation, else its share
+    of the rows (each micro-batch's loss is already a mean over its own rows). Summing `loss * share` over the
+    micro-batches gives the loss of the whole batch at once."""
+    _check_name(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
+    if aggregation == "token-mean":
+        return mask.sum() / tokens
+    return torch.tensor(rows / total_rows)
+
+
 POLICY_LOSSES = {"ppo_clip": ppo_clip_loss}
 
 

@@ -35,7 +35,7 @@ from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, sa
 from sparrow.schedules import DENSE, Schedule
 
 from .config import StepConfig
-from .losses import compute_advantages, kl_penalty, policy_loss, tis_weights
+from .losses import accumulation_share, compute_advantages, kl_penalty, policy_loss, tis_weights
 
 
 @dataclass
@@ -229,8 +229,7 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                         kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
                         loss = loss + grpo.kl_coef * kl
                         kl_values.append(float(kl.detach()))
-                    share = (batch.mask[micro].sum() / tokens if grpo.loss_aggregation == "token-mean"
-                             else torch.tensor(len(micro) / len(mini)))
+                    share = accumulation_share(batch.mask[micro], tokens, len(micro), len(mini), grpo.loss_aggregation)
                     (loss * share).backward()
                     mini_loss += float(loss.detach() * share)
                     clip_stats.append(stats)

@@ -8,6 +8,7 @@ import torch
 
 from sparrow.errors import SparrowError
 from sparrow.rl.losses import (
+    accumulation_share,
     ADVANTAGE_ESTIMATORS,
     GROUP_STDS,
     KL_ESTIMATORS,
@@ -300,3 +301,17 @@ def _ppo(**kw):
 def test_bad_inputs_raise_a_clear_error(call, match):
     with pytest.raises(SparrowError, match=match):
         call()
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_accumulated_micro_batches_give_the_whole_batchs_loss(aggregation):
+    gen = torch.Generator().manual_seed(0)
+    logp, logp_old = -torch.rand(6, 9, generator=gen), -torch.rand(6, 9, generator=gen)
+    advantages = torch.randn(6, generator=gen)
+    mask = (torch.rand(6, 9, generator=gen) > 0.3).float()
+    whole, _ = ppo_clip_loss(logp, logp_old, advantages, mask, aggregation=aggregation)
+    tokens, total = mask.sum(), torch.tensor(0.0)
+    for rows in (torch.tensor([0, 1]), torch.tensor([2, 3, 4]), torch.tensor([5])):
+        part, _ = ppo_clip_loss(logp[rows], logp_old[rows], advantages[rows], mask[rows], aggregation=aggregation)
+        total = total + part * accumulation_share(mask[rows], tokens, len(rows), 6, aggregation)
+    assert float(total) == pytest.approx(float(whole), rel=1e-6)
