@@ -8,13 +8,13 @@ import torch
 
 from sparrow.errors import SparrowError
 from sparrow.rl.losses import (
-    accumulation_share,
     ADVANTAGE_ESTIMATORS,
     GROUP_STDS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     TIS_MODES,
+    accumulation_share,
     compute_advantages,
     kl_penalty,
     policy_loss,
