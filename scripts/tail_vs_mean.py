@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {r.p1:.3f} | {r.retention:.2f} | {shown} | "
               f"{'yes' if r.behind else 'no'} |")
     print()
-    for name, (rho, p) in rank_correlations(runs).items():
-        print(f"- Spearman rho of {name} against retention: {rho:+.2f} (p {p:.2g}, {len(runs)} runs)")
+    for name, (rho, p, count) in rank_correlations(runs).items():
+        print(f"- Spearman rho of {name} against retention: {rho:+.2f} (p {p:.2g}, {count} runs where it is known)")
     for pair in contrast_pairs(runs):
         a, b = pair["runs"]
         print(f"- {a} vs {b}: mean {pair['mean'][0]:.3f} / {pair['mean'][1]:.3f}, p5 {pair['p5'][0]:.3f} / "

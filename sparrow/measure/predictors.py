@@ -9,6 +9,7 @@ cannot tell apart, it orders them as their outcomes are ordered.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scipy import stats
@@ -30,20 +31,19 @@ class RunOutcome:
     behind: bool  # the run fell behind dense (the caller's rule, e.g. retention or held-out interval below)
 
 
-def rank_correlations(runs: list[RunOutcome]) -> dict[str, tuple[float, float]]:
-    """Per statistic, Spearman's rho against retention and its two-sided p-value (nan for fewer than 3 runs or
-    constant values)."""
-    if len(runs) < 3:
-        return {s: (float("nan"), float("nan")) for s in STATISTICS}
-    retention = [r.retention for r in runs]
+def rank_correlations(runs: list[RunOutcome]) -> dict[str, tuple[float, float, int]]:
+    """Per statistic, Spearman's rho against retention, its two-sided p-value and the number of runs it was
+    taken over: the runs where the statistic is known (not nan); (nan, nan, n) below 3 runs or for constant
+    values."""
     out = {}
     for name in STATISTICS:
-        values = [getattr(r, name) for r in runs]
-        if len(set(values)) < 2 or len(set(retention)) < 2:
-            out[name] = (float("nan"), float("nan"))
+        known = [r for r in runs if not math.isnan(getattr(r, name))]
+        values, retention = [getattr(r, name) for r in known], [r.retention for r in known]
+        if len(known) < 3 or len(set(values)) < 2 or len(set(retention)) < 2:
+            out[name] = (float("nan"), float("nan"), len(known))
             continue
         rho, p = stats.spearmanr(values, retention)
-        out[name] = (float(rho), float(p))
+        out[name] = (float(rho), float(p), len(known))
     return out
 
 

@@ -21,7 +21,10 @@ def test_rank_correlations_are_spearmans_against_retention():
     retention = [r.retention for r in RUNS]
     assert rho["p5"][0] == pytest.approx(stats.spearmanr([r.p5 for r in RUNS], retention)[0]) == 1.0
     assert rho["mean"][0] == pytest.approx(stats.spearmanr([r.mean for r in RUNS], retention)[0])
-    assert all(math.isnan(v) for pair in rank_correlations(RUNS[:2]).values() for v in pair)  # below 3 runs
+    assert all(math.isnan(rho) and n == 2 for rho, _, n in rank_correlations(RUNS[:2]).values())  # below 3 runs
+    unknown = [*RUNS, RunOutcome("no p1", 0.97, 0.9, math.nan, 0.99, False)]
+    assert rank_correlations(unknown)["p1"] == rank_correlations(RUNS)["p1"]  # taken over the runs that know it
+    assert rank_correlations(unknown)["p5"][2] == 5
 
 
 def test_a_pair_with_equal_means_and_distant_tails_names_the_statistic_that_ordered_it():
