@@ -74,22 +74,26 @@ def test_a_profile_binned_by_generated_position_is_refused():
         calibrate(profile, 0.86)
 
 
-def test_the_long_demo_schedule_is_the_calibration_of_its_shipped_profile():
-    """examples/smollm2-manifest.yaml's schedule is what `sparrow calibrate` picks from the committed manifest
-    profile at the config's tau with a 0.02 margin; without the margin 512 tokens would do."""
+def test_the_long_demo_schedule_is_the_reward_aware_calibration_of_its_shipped_profile():
+    """examples/smollm2-manifest.yaml's schedule is what `sparrow calibrate` picks from the committed reward
+    profile at the config's tau with a 0.02 margin and its min_retention; the older p5-only profile
+    (examples/manifest-profile.json) at that tau and margin asked for 1024 tokens, and 512 without the margin."""
     import torch
     import yaml
 
     from sparrow.schedules import parse_schedule
 
-    profile = json.loads(Path("examples/manifest-profile.json").read_text())
     config = yaml.safe_load(Path("examples/smollm2-manifest.yaml").read_text())
-    schedule, _ = calibrate(profile, config["monitor"]["tau"], margin=0.02)
+    profile = json.loads(Path("examples/manifest-reward-profile.json").read_text())
+    schedule, _ = calibrate(profile, config["monitor"]["tau"], margin=0.02,
+                            min_retention=config["monitor"]["min_retention"])
     shipped = parse_schedule(config["sparse"]["schedule"])
     lengths = torch.arange(4096, 5120, 16)
     assert torch.equal(schedule.budget_for(lengths), shipped.budget_for(lengths))
-    assert shipped.budget_for(torch.tensor([4700])).item() == 1024
-    _, choices = calibrate(profile, 0.75)
+    assert shipped.budget_for(torch.tensor([4700])).item() == 3072
+    old = json.loads(Path("examples/manifest-profile.json").read_text())
+    assert calibrate(old, config["monitor"]["tau"], margin=0.02)[0].budget_for(torch.tensor([4700])).item() == 1024
+    _, choices = calibrate(old, 0.75)
     assert [c.budget for c in choices] == [512]
 
 
