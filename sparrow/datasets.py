@@ -39,16 +39,9 @@ class DataSpec:
     answer_field: str = "answer"
 
 
-def load_examples(spec: DataSpec) -> list[Example]:
-    """Read a `.jsonl` / `.json` (one JSON object per line) or `.parquet` file into examples.
-
-    A field name is looked up as a top-level key first, then as a dotted path into nested objects. verl's
-    Parquet layout works with the defaults: when `answer_field` is "answer", no row has an "answer" field and
-    some row has `reward_model.ground_truth`, that path is used as the answer. The answer may be missing only if
-    it is missing in every row (a prompt-only file, answers are then None); a row without it in a file whose
-    other rows have it is an error. Bad rows (missing or malformed prompt, missing answer) are reported together,
-    up to 10 in one SparrowError, by line number for JSONL and by row number (from 0) for Parquet.
-    """
+def _check_spec(spec: DataSpec) -> Path:
+    """The data file's path, after refusing bad field names and a file that is missing, empty or of an unknown
+    kind."""
     for name in ("prompt_field", "answer_field"):
         value = getattr(spec, name)
         if not isinstance(value, str) or not value:
@@ -70,6 +63,21 @@ def load_examples(spec: DataSpec) -> list[Example]:
                            else f"data file {str(path)!r} is not a regular file")
     if path.stat().st_size == 0:
         raise SparrowError(f"data file {str(path)!r} is empty; expected at least one row")
+    return path
+
+
+def load_examples(spec: DataSpec) -> list[Example]:
+    """Read a `.jsonl` / `.json` (one JSON object per line) or `.parquet` file into examples.
+
+    A field name is looked up as a top-level key first, then as a dotted path into nested objects. verl's
+    Parquet layout works with the defaults: when `answer_field` is "answer", no row has an "answer" field and
+    some row has `reward_model.ground_truth`, that path is used as the answer. The answer may be missing only if
+    it is missing in every row (a prompt-only file, answers are then None); a row without it in a file whose
+    other rows have it is an error. Bad rows (missing or malformed prompt, missing answer) are reported together,
+    up to 10 in one SparrowError, by line number for JSONL and by row number (from 0) for Parquet.
+    """
+    path = _check_spec(spec)
+    suffix = path.suffix.lower()
     if suffix == ".parquet":
         rows, unit = list(enumerate(_read_parquet(path))), "row"
     else:
