@@ -40,6 +40,12 @@ def _held_out(sparse: Path, dense: Path) -> tuple[float, float, float] | None:
     return (sum(diffs) / len(diffs), *mean_interval(diffs))
 
 
+def _only_bin_p1(row: dict) -> float:
+    """A step's p1 from its one length bin, for logs older than the overall p1 (nan with several bins)."""
+    bins = [v for k, v in row.items() if k.startswith("mismatch/bin_") and k.endswith("/exact_p1")]
+    return bins[0] if len(bins) == 1 else math.nan
+
+
 def summarise(sparse: Path, dense: Path, behind_below: float) -> tuple[RunOutcome, tuple | None]:
     rows, base = _rows(sparse, "metrics.jsonl"), _rows(dense, "metrics.jsonl")
     if not rows or not base:
@@ -52,7 +58,7 @@ def summarise(sparse: Path, dense: Path, behind_below: float) -> tuple[RunOutcom
         sys.exit(f"{sparse} has no exact monitor metrics (mismatch/exact/*); was it a sparse run?")
     tokens = sum(r["mismatch/exact/tokens"] for r in monitored)
     mean = sum(r["mismatch/exact/mean"] * r["mismatch/exact/tokens"] for r in monitored) / tokens
-    p1s = [r.get("mismatch/exact/p1", math.nan) for r in monitored]
+    p1s = [r.get("mismatch/exact/p1", _only_bin_p1(r)) for r in monitored]
     held = _held_out(sparse, dense)
     behind = retention < behind_below or (held is not None and held[2] < 0)
     return RunOutcome(sparse.name, mean, median(r["mismatch/exact/p5"] for r in monitored),
