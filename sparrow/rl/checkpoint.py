@@ -28,7 +28,7 @@ from sparrow.errors import SparrowError
 from sparrow.io import fsync_dir, umask
 from sparrow.lora import ADAPTER_MARK, has_adapter
 
-from .distill import SwitchState
+from .probes import SwitchState
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_DIR = "adapter"

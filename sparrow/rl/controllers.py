@@ -15,7 +15,7 @@ from sparrow.schedules import Schedule
 
 from .adaptive import AdaptiveState, by_bin, update
 from .config import TrainConfig
-from .distill import SwitchState, observe_probe, probe
+from .probes import SwitchState, observe_probe, probe
 from .step import Policy, StepBatch
 
 PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)

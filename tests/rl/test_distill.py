@@ -18,14 +18,9 @@ from sparrow.lora import attach_adapter, base_parameters
 from sparrow.measure import teacher_forced_acceptance
 from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
-from sparrow.rl.distill import (
-    DistillConfig,
-    Distiller,
-    SwitchState,
-    observe_probe,
-    probe,
-)
+from sparrow.rl.distill import DistillConfig, Distiller
 from sparrow.rl.losses import full_kl
+from sparrow.rl.probes import SwitchState, observe_probe, probe
 from sparrow.rl.step import Policy, StepConfig
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
