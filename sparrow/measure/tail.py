@@ -25,6 +25,7 @@ from scipy import stats
 
 from sparrow.errors import SparrowError
 from sparrow.measure.checks import as_float_tensor, as_positions, first_index
+from sparrow.typed_config import check_int
 
 TAIL_THRESHOLD = 0.999  # tail_stats: alpha at or above it counts as "at 1"; the Beta fit covers what lies below
 _MIN_BETA_TAIL = 20
@@ -138,8 +139,7 @@ def _length_bins(bins: np.ndarray) -> list[tuple[int, np.ndarray]]:
 def _tail_input(alpha, positions, bin_size, sequences) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """tail_stats' inputs checked and flattened: alpha as CPU float64 clamped to [0, 1], positions (>= 0) and
     sequence ids (or None) as CPU int64, one of each per token."""
-    if isinstance(bin_size, bool) or not isinstance(bin_size, (int, np.integer)) or bin_size < 1:
-        raise SparrowError(f"bin_size must be an integer >= 1, got {bin_size!r}")
+    check_int("bin_size", bin_size, 1)
     a = as_float_tensor(alpha, "alpha").detach().to("cpu", torch.float64)
     pos = as_positions(positions)
     if a.shape != pos.shape:

@@ -28,6 +28,7 @@ from sparrow.errors import SparrowError
 from sparrow.lora import LoraSpec, adapter_parameters, base_parameters, without_adapter
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
+from sparrow.typed_config import check_int
 
 from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, ppo_clip_loss
 
@@ -73,8 +74,7 @@ class DistillConfig:
     probe_data: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise SparrowError(f"distill_rank must be an integer >= 1, got {self.rank!r}")
+        check_int("distill_rank", self.rank, 1)
         _check_number("distill_lr", self.lr, lambda v: v > 0, "> 0")
         _check_number("distill_alpha", self.alpha, lambda v: v > 0, "> 0")
         _check_number("distill_lambda", self.kl_lambda, lambda v: v >= 0, ">= 0")
@@ -85,9 +85,7 @@ class DistillConfig:
             raise SparrowError(f"distill_targets must be 'all-linear' or comma-separated module names such as "
                                f"'q_proj,v_proj', got {self.targets!r}")
         for name in ("probe_every", "probe_prompts", "probe_patience"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SparrowError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
 
     def target_modules(self) -> str | list[str]:
         return self.lora().target_modules()

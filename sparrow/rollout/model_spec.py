@@ -41,9 +41,7 @@ class ModelSpec:
         from sparrow.models import resolve_dtype
 
         resolve_dtype(self.dtype)
-        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) \
-                or self.max_batch_size < 1:
-            raise SparrowError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        check_int("max_batch_size", self.max_batch_size, 1)
         if self.lora is not None and self.adapter is not None:
             raise SparrowError(f"a model spec takes a DistillSparse adapter shape or an adapter directory, not both "
                                f"(got adapter {self.adapter!r} with lora)")
