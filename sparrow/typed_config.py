@@ -272,6 +272,12 @@ def to_nested(config) -> dict:
             else getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
+def flagged(flag: str, default):
+    """A config field whose flat name (its CLI flag and flat YAML key) is `flag` rather than its own name, where
+    the field's own name would be ambiguous across sections (e.g. `distill.lr` is `distill_lr`)."""
+    return dataclasses.field(default=default, metadata={"flag": flag})
+
+
 def check_int(name: str, value, minimum: int) -> int:
     """`value` as an int, or a SparrowError unless it is an integer (not a bool) >= `minimum`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:

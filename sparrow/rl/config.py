@@ -19,7 +19,7 @@ from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
 from sparrow.rollout.factory import check_backend, check_rollout_workers
 from sparrow.schedules import Schedule, parse_schedule
-from sparrow.typed_config import check_finite, check_int
+from sparrow.typed_config import check_finite, check_int, flagged
 
 from .distill import DistillConfig
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
@@ -27,10 +27,6 @@ from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREG
 MONITORS = ("exact", "bounds")
 NON_FINITE_ACTIONS = ("skip", "stop")
 ANSWER_REWARDS = ("math", "first_number", "number_f1")
-
-
-def _flag(name: str, default):
-    return field(default=default, metadata={"flag": name})
 
 
 def _check_choice(name: str, value, known) -> None:
@@ -49,7 +45,7 @@ def _check_file(name: str, path: str | None) -> None:
 
 @dataclass
 class ModelSection:
-    name: str = _flag("model", "tiny-qwen3")
+    name: str = flagged("model", "tiny-qwen3")
     dtype: str = "float32"
     device: str = "auto"
 
@@ -94,7 +90,7 @@ class SamplingSection:
 
 @dataclass
 class DataSection:
-    path: str | None = _flag("data", None)
+    path: str | None = flagged("data", None)
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     reward: list[str] | None = None
@@ -210,10 +206,10 @@ class AdaptiveSection:
     """`schedule: adaptive`: budgets per length bin (`bin_size`) move during training (sparrow/rl/adaptive.py),
     from the `adaptive_start` schedule, to the cheapest rung whose exact p5 holds tau."""
 
-    start: str = _flag("adaptive_start", "dense")
-    margin: float = _flag("adaptive_margin", 0.02)
-    patience: int = _flag("adaptive_patience", 2)
-    min_tokens: int = _flag("adaptive_min_tokens", 200)
+    start: str = flagged("adaptive_start", "dense")
+    margin: float = flagged("adaptive_margin", 0.02)
+    patience: int = flagged("adaptive_patience", 2)
+    min_tokens: int = flagged("adaptive_min_tokens", 200)
 
     def validate(self) -> None:
         check_finite("adaptive_margin", self.margin, 0, 1, high_open=True)
@@ -223,10 +219,10 @@ class AdaptiveSection:
 
 @dataclass
 class EvalSection:
-    data: str | None = _flag("eval_data", None)
-    every: int = _flag("eval_every", 10)
-    generations: int = _flag("eval_generations", 4)
-    schedule: str = _flag("eval_schedule", "dense")
+    data: str | None = flagged("eval_data", None)
+    every: int = flagged("eval_every", 10)
+    generations: int = flagged("eval_generations", 4)
+    schedule: str = flagged("eval_schedule", "dense")
 
     def validate(self) -> None:
         _check_file("eval_data", self.data)
@@ -237,7 +233,7 @@ class EvalSection:
 @dataclass
 class RolloutSection:
     backend: str = "native"
-    workers: int = _flag("rollout_workers", 0)
+    workers: int = flagged("rollout_workers", 0)
     ray_address: str | None = None
     cpus_per_worker: int | None = None
     wire_dtype: str | None = None

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +28,7 @@ from sparrow.errors import SparrowError
 from sparrow.lora import LoraSpec, adapter_parameters, base_parameters, without_adapter
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
-from sparrow.typed_config import check_int
+from sparrow.typed_config import check_int, flagged
 
 from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, ppo_clip_loss
 
@@ -38,10 +38,6 @@ DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
 def _check_number(option: str, value, ok, expected: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
         raise SparrowError(f"{option} must be a number {expected}, got {value!r}")
-
-
-def _option(flag: str, default):
-    return field(default=default, metadata={"flag": flag})
 
 
 @dataclass(frozen=True)
@@ -59,14 +55,14 @@ class DistillConfig:
     `probe_data` or the last rows of the data) hold every length bin's acceptance p5 at tau.
     """
 
-    enabled: bool = _option("distill", False)
-    lr: float = _option("distill_lr", 1e-4)
-    rank: int = _option("distill_rank", 8)
-    alpha: float = _option("distill_alpha", 16.0)
-    targets: str = _option("distill_targets", "all-linear")
-    dropout: float = _option("distill_dropout", 0.0)
-    kl_lambda: float = _option("distill_lambda", 0.001)
-    kl: str = _option("distill_kl", "k3")
+    enabled: bool = flagged("distill", False)
+    lr: float = flagged("distill_lr", 1e-4)
+    rank: int = flagged("distill_rank", 8)
+    alpha: float = flagged("distill_alpha", 16.0)
+    targets: str = flagged("distill_targets", "all-linear")
+    dropout: float = flagged("distill_dropout", 0.0)
+    kl_lambda: float = flagged("distill_lambda", 0.001)
+    kl: str = flagged("distill_kl", "k3")
     switch_schedule: str | None = None
     probe_every: int = 10
     probe_prompts: int = 4
