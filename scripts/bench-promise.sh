@@ -22,7 +22,8 @@ for SEED in 0 1; do
     RESUME=$( [ -d "$OUT/$NAME" ] && ls -d "$OUT/$NAME"/checkpoint-* >/dev/null 2>&1 && echo --resume || true )
     echo "== $NAME =="
     $SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/train.jsonl" --eval-data "$OUT/heldout.jsonl" \
-        --schedule "$S" --steps 10 --num-generations 8 --eval-every 10 --save-every 5 --keep-last 1 --seed "$SEED" \
+        --schedule "$S" --steps 10 --num-generations 8 --eval-every 10 --reward-check-every 4 \
+        --save-every 5 --keep-last 1 --seed "$SEED" \
         --output-dir "$OUT/$NAME" $RESUME
   done
 done
