@@ -21,7 +21,7 @@ from statistics import median
 
 from sparrow.io import read_jsonl
 from sparrow.measure.predictors import STATISTICS, RunOutcome, contrast_pairs, rank_correlations
-from sparrow.measure.retention import mean_interval
+from sparrow.measure.retention import paired_difference
 
 
 def _rows(run: Path, name: str) -> list[dict]:
@@ -36,8 +36,7 @@ def _held_out(sparse: Path, dense: Path) -> tuple[float, float, float] | None:
     x, y = a[-1].get("eval/per_example_mean"), b[-1].get("eval/per_example_mean")
     if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y) or len(x) < 2:
         return None
-    diffs = [u - v for u, v in zip(x, y)]
-    return (sum(diffs) / len(diffs), *mean_interval(diffs))
+    return paired_difference(x, y)
 
 
 def _only_bin_p1(row: dict) -> float:

@@ -15,6 +15,14 @@ from .common import MODEL_HELP
 from .config import add_config_options, load_config
 
 
+def _integers(name: str, text) -> list[int]:
+    """A comma-separated list of integers, or a SparrowError naming the option."""
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SparrowError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
 @dataclass
 class CostConfig:
     model: str = "smollm2-135m"
@@ -50,10 +58,7 @@ class CostConfig:
     def page_size_list(self) -> list[int]:
         if not self.page_sizes:
             return []
-        try:
-            sizes = [int(x) for x in str(self.page_sizes).split(",") if x.strip()]
-        except ValueError:
-            raise SparrowError(f"page_sizes must be comma-separated integers, got {self.page_sizes!r}") from None
+        sizes = _integers("page_sizes", self.page_sizes)
         if not sizes or min(sizes) < 1:
             raise SparrowError(f"page_sizes must be positive integers, got {self.page_sizes!r}")
         return sizes
@@ -61,20 +66,14 @@ class CostConfig:
     def prompt_len_list(self) -> list[int]:
         if self.prompt_lens is None:
             return []
-        try:
-            lengths = [int(x) for x in str(self.prompt_lens).split(",") if x.strip()]
-        except ValueError:
-            raise SparrowError(f"prompt_lens must be comma-separated integers, got {self.prompt_lens!r}") from None
+        lengths = _integers("prompt_lens", self.prompt_lens)
         if not lengths or not all(1 <= n <= MAX_LENGTH for n in lengths):
             raise SparrowError(f"prompt_lens must be one or more lengths from 1 to {MAX_LENGTH:,} tokens, got "
                                f"{self.prompt_lens!r}")
         return lengths
 
     def dense_layer_count(self, layers: int) -> int:
-        try:
-            indices = {int(x) for x in str(self.dense_layers).split(",") if x.strip()}
-        except ValueError:
-            raise SparrowError(f"dense_layers must be comma-separated integers, got {self.dense_layers!r}") from None
+        indices = set(_integers("dense_layers", self.dense_layers))
         bad = sorted(i for i in indices if not 0 <= i < layers)
         if bad:
             raise SparrowError(f"dense_layers {bad} out of range for a model with {layers} layers")

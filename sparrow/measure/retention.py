@@ -88,3 +88,9 @@ def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float,
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
     return mean - half, mean + half
+
+
+def paired_difference(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high) of a - b over paired units (e.g. two policies' mean rewards on the same prompts)."""
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    return (sum(diffs) / len(diffs), *mean_interval(diffs, confidence))

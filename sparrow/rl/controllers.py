@@ -1,6 +1,6 @@
 """Who picks each training step's schedule: one controller per run, so the training loop has no special cases.
 
-`FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length bin's budget on the step's
+Each is a `ScheduleController`. `FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length bin's budget on the step's
 exact acceptance (rl/adaptive.py). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few
 steps on held-out prompts and switches to it once its tail holds tau. The loop asks `schedule()` and `measure()`
 (schedules to teacher-force beside it) before a step, passes the finished step to `after_step` (which may add
@@ -21,14 +21,11 @@ from .step import Policy, StepBatch
 PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
 
 
-class FixedSchedule:
-    """The configured schedule at every step."""
-
-    def __init__(self, schedule: Schedule):
-        self.fixed = schedule
+class ScheduleController:
+    """What the loop asks of a controller; the defaults measure nothing more, log nothing and save nothing."""
 
     def schedule(self) -> Schedule:
-        return self.fixed
+        raise NotImplementedError
 
     def measure(self) -> dict[str, Schedule] | None:
         return None
@@ -43,7 +40,17 @@ class FixedSchedule:
         pass
 
 
-class AdaptiveSchedule(FixedSchedule):
+class FixedSchedule(ScheduleController):
+    """The configured schedule at every step."""
+
+    def __init__(self, schedule: Schedule):
+        self.fixed = schedule
+
+    def schedule(self) -> Schedule:
+        return self.fixed
+
+
+class AdaptiveSchedule(ScheduleController):
     """The adaptive controller: the schedule in force and one rung cheaper are measured every step, and each
     bin's budget moves as `adaptive.update` decides; the budgets in force go into the metrics as
     `adaptive/bin_<start>/budget`."""
@@ -76,14 +83,14 @@ class AdaptiveSchedule(FixedSchedule):
         self.current = AdaptiveState.from_json(saved["adaptive"])
 
 
-class SwitchSchedule(FixedSchedule):
+class SwitchSchedule(ScheduleController):
     """DistillSparse's switch: the configured schedule until `probe_patience` consecutive probes (every
     `probe_every` steps, the candidate schedule's exact acceptance on the probe prompts) hold every length bin's
     p5 at tau; the candidate from then on. Logs `probe/...` metrics and `distill/switched`."""
 
     def __init__(self, config: TrainConfig, policy: Policy, backend, probes: list):
-        super().__init__(config.parsed.schedule)
-        self.config, self.policy, self.backend, self.probes = config, policy, backend, probes
+        self.fixed, self.config, self.policy, self.backend, self.probes = (config.parsed.schedule, config, policy,
+                                                                           backend, probes)
         self.candidate, self.switch = config.parsed.switch_schedule, SwitchState()
 
     def schedule(self) -> Schedule:

@@ -12,7 +12,7 @@ from statistics import median
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text, read_jsonl
-from sparrow.measure.retention import mean_interval
+from sparrow.measure.retention import paired_difference
 
 PHASES = ("rollout", "reward", "recompute", "update")
 ROLLOUT_PHASES = ("prefill", "decode", "sample")  # what the native engine reports of its rollout time
@@ -171,10 +171,9 @@ def _held_out(evals: dict) -> list[str]:
     for name in others:
         other = evals[name][-1].get("eval/per_example_mean")
         if isinstance(base, list) and isinstance(other, list) and len(base) == len(other) >= 2:
-            diffs = [a - b for a, b in zip(other, base)]
-            low, high = mean_interval(diffs)
-            lines.append(f"- {name} minus {first} at their last evaluation: {sum(diffs) / len(diffs):+.3f} "
-                         f"[{low:+.3f}, {high:+.3f}] (paired over {len(diffs)} prompts)")
+            mean, low, high = paired_difference(other, base)
+            lines.append(f"- {name} minus {first} at their last evaluation: {mean:+.3f} "
+                         f"[{low:+.3f}, {high:+.3f}] (paired over {len(base)} prompts)")
     return lines
 
 
