@@ -33,6 +33,7 @@ class Option:
     name: str
     annotation: object
     default: object
+    help: str = ""
 
     @property
     def kind(self):
@@ -75,18 +76,24 @@ def sections(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and _section_type(hints[f.name])}
 
 
-def options(cls, prefix: tuple[str, ...] = ()) -> list[Option]:
-    """Every option of `cls`, sections included, in declaration order."""
+def options(cls, prefix: tuple[str, ...] = (), defaults=None) -> list[Option]:
+    """Every option of `cls`, sections included, in declaration order. A section's defaults are those of the
+    instance its field's default_factory makes (a command may set its own defaults for a shared section)."""
     hints = typing.get_type_hints(cls)
     found = []
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         if _section_type(hints[f.name]):
-            found += options(hints[f.name], prefix + (f.name,))
+            inner = None if f.default_factory is dataclasses.MISSING else f.default_factory()
+            found += options(hints[f.name], prefix + (f.name,), inner)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else None
-        found.append(Option(prefix + (f.name,), f.metadata.get("flag", f.name), hints[f.name], default))
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+        found.append(Option(prefix + (f.name,), f.metadata.get("flag", f.name), hints[f.name], default,
+                            f.metadata.get("help", "")))
     names = [o.name for o in found]
     if len(names) != len(set(names)):
         raise TypeError(f"{cls.__name__}: option names are not unique: {sorted(n for n in names if names.count(n) > 1)}")
@@ -237,7 +244,7 @@ def build(cls, values: dict[str, object]):
     """An instance of `cls` from {flat option name: value}; unset options keep their defaults."""
     by_path = {o.path: o.name for o in options(cls)}
 
-    def make(section_cls, prefix):
+    def make(section_cls, prefix, factory=None):
         kwargs = {}
         for f in dataclasses.fields(section_cls):
             if not f.init:
@@ -245,11 +252,12 @@ def build(cls, values: dict[str, object]):
             path = prefix + (f.name,)
             inner = sections(section_cls).get(f.name)
             if inner is not None:
-                kwargs[f.name] = make(inner, path)
+                kwargs[f.name] = make(inner, path, None if f.default_factory is dataclasses.MISSING
+                                      else f.default_factory)
             elif by_path[path] in values:
                 kwargs[f.name] = values[by_path[path]]
         try:
-            return section_cls(**kwargs)
+            return dataclasses.replace(factory(), **kwargs) if factory is not None else section_cls(**kwargs)
         except TypeError as err:
             raise SparrowError(f"bad config: {err}") from None
 
@@ -272,10 +280,19 @@ def to_nested(config) -> dict:
             else getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
-def flagged(flag: str, default):
-    """A config field whose flat name (its CLI flag and flat YAML key) is `flag` rather than its own name, where
-    the field's own name would be ambiguous across sections (e.g. `distill.lr` is `distill_lr`)."""
-    return dataclasses.field(default=default, metadata={"flag": flag})
+def option(default=None, help: str = "", *, flag: str | None = None):
+    """A config option with its help text (the CLI's --help) and, where the field's own name would be ambiguous
+    across sections, its flat name `flag` (its CLI flag and flat YAML key: `distill.lr` is `distill_lr`)."""
+    metadata = {"help": help, **({"flag": flag} if flag else {})}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def section(cls, **defaults):
+    """A section field of type `cls` whose options default to `defaults` (a command's own defaults for a shared
+    section, e.g. `max_new_tokens` 128 for generate); the others keep the section's."""
+    return dataclasses.field(default_factory=lambda: cls(**defaults))
 
 
 def check_int(name: str, value, minimum: int) -> int:

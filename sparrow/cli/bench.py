@@ -13,65 +13,55 @@ from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_config
 from sparrow.models import MODEL_NAMES, resolve_dtype
+from sparrow.options import AdaptedModelSection, ScheduledSparseSection
 from sparrow.rollout.factory import check_backend
+from sparrow.typed_config import check_int, option, section, to_nested
 
-from .common import MODEL_HELP, ModelOptions
 from .config import add_config_options, load_config
 
 
 @dataclass
-class BenchConfig(ModelOptions):
-    schedule: str = "const:1024"
-    context: int = 8192
-    batch: int = 8
-    steps: int = 32
-    warmup: int = 4
-    repeats: int = 3
-    hf: bool = True
-    seed: int = 0
-    json: bool = False
-    backend: str = "native"
+class BenchConfig:
+    model: AdaptedModelSection = section(AdaptedModelSection)
+    sparse: ScheduledSparseSection = section(ScheduledSparseSection, schedule="const:1024")
+    context: int = option(8192, "cached tokens (prompt length) at which decode is timed")
+    batch: int = option(8, "sequences decoded together (they share one prefill)")
+    steps: int = option(32, "timed decode steps per repeat")
+    warmup: int = option(4, "untimed decode steps before the first repeat")
+    repeats: int = option(3, "timed repeats; the median is reported")
+    hf: bool = option(True, "also time transformers' generate (dense SDPA) from the same prefill")
+    seed: int = option(0, "seed of the random prompts")
+    json: bool = option(False, "print one JSON object with the results")
+    backend: str = option("native", "vllm: after our engine's numbers, stock vLLM (in a child process) and vLLM with "
+                          "Sparrow's plugin, dense and sparse, on distinct prompts")
 
     def validate(self) -> None:
-        super().validate()
+        self.model.validate()
+        self.sparse.validate()
         for name in ("context", "batch", "steps", "repeats"):
-            if getattr(self, name) < 1:
-                raise SparrowError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0 or self.seed < 0:
-            raise SparrowError(f"warmup and seed must be >= 0, got {self.warmup} and {self.seed}")
+            check_int(name, getattr(self, name), 1)
+        check_int("warmup", self.warmup, 0)
+        check_int("seed", self.seed, 0)
         check_backend(self.backend, 0, None)
         if self.backend == "vllm" and self.steps < 2:
             raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
-        if self.parsed_schedule().is_dense:
+        if self.sparse.parsed_schedule.is_dense:
             raise SparrowError("bench compares dense with a sparse schedule; give --schedule other than 'dense'")
-        if self.model in MODEL_NAMES or (Path(self.model).expanduser() / "config.json").is_file():  # else at load
-            check_kv_cache_fits(model_config(self.model), resolve_dtype(self.dtype), self.torch_device(), self.batch,
-                                cache_tokens(self.context, self.warmup, self.steps))
-
-
-HELP = {
-    **MODEL_HELP,
-    "context": "cached tokens (prompt length) at which decode is timed",
-    "batch": "sequences decoded together (they share one prefill)",
-    "steps": "timed decode steps per repeat",
-    "warmup": "untimed decode steps before the first repeat",
-    "repeats": "timed repeats; the median is reported",
-    "hf": "also time transformers' generate (dense SDPA) from the same prefill",
-    "json": "print one JSON object with the results",
-    "backend": "vllm: after our engine's numbers, stock vLLM (in a child process) and vLLM with Sparrow's plugin, "
-               "dense and sparse, on distinct prompts",
-}
+        model = self.model
+        if model.name in MODEL_NAMES or (Path(model.name).expanduser() / "config.json").is_file():  # else at load
+            check_kv_cache_fits(model_config(model.name), resolve_dtype(model.dtype), model.torch_device(),
+                                self.batch, cache_tokens(self.context, self.warmup, self.steps))
 
 
 def run(args) -> int:
     config = load_config(BenchConfig, args)
     log = (lambda *_: None) if config.json else print
     stock = _stock_vllm(config, log) if config.backend == "vllm" else None  # before this process does any work
-    model, tokenizer = config.load()
-    engine = RolloutEngine(model, tokenizer, config.sparse_config(), max_batch_size=config.batch)
-    result = run_benchmark(engine, config.parsed_schedule(), config.context, config.batch, config.steps,
+    model, tokenizer = config.model.load()
+    engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
+    result = run_benchmark(engine, config.sparse.parsed_schedule, config.context, config.batch, config.steps,
                            config.warmup, config.repeats, config.hf, config.seed, log=log)
-    record = {**dataclasses.asdict(result), "config": dataclasses.asdict(config),
+    record = {**dataclasses.asdict(result), "config": to_nested(config),
               "machine": machine_info(engine.device), "date": datetime.date.today().isoformat()}
     if config.backend == "vllm":
         del engine, model
@@ -94,12 +84,12 @@ def _vllm_setup(config: BenchConfig):
 
     from sparrow.rollout.vllm_backend import kv_cache_gib_for, model_directory
 
-    directory = model_directory(config.model)
+    directory = model_directory(config.model.name)
     length = config.context + config.steps
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the benchmark may decode past the trained context
     args = {"context": config.context, "batch": config.batch, "steps": config.steps, "repeats": config.repeats,
             "seed": config.seed}
-    return directory, kv_cache_gib_for(directory, config.batch * length, config.dtype), length, args
+    return directory, kv_cache_gib_for(directory, config.batch * length, config.model.dtype), length, args
 
 
 def _stock_vllm(config: BenchConfig, log) -> float:
@@ -125,7 +115,7 @@ def _stock_vllm(config: BenchConfig, log) -> float:
              "    print('RESULT' + json.dumps(r.dense_tokens_per_s))\n")
     log("stock vLLM (child process):")
     env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
-    run = subprocess.run([sys.executable, "-c", child, str(directory), str(gib), config.dtype, str(length),
+    run = subprocess.run([sys.executable, "-c", child, str(directory), str(gib), config.model.dtype, str(length),
                           json.dumps(args)], env=env, capture_output=True, text=True, check=False)
     if run.returncode != 0:
         raise SparrowError(f"the stock vLLM benchmark failed: {run.stderr.strip().splitlines()[-1:]}")
@@ -140,10 +130,10 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
 
     directory, gib, length, args = _vllm_setup(config)
     log("vLLM with Sparrow's plugin:")
-    backend = VLLMBackend(directory, tokenizer, config.sparse_config(), dtype=config.dtype, kv_cache_gib=gib,
+    backend = VLLMBackend(directory, tokenizer, config.sparse.config(), dtype=config.model.dtype, kv_cache_gib=gib,
                           max_model_len=length, log=lambda m: None)
     try:
-        result = run_vllm_benchmark(backend, config.parsed_schedule(), log=log, **args)
+        result = run_vllm_benchmark(backend, config.sparse.parsed_schedule, log=log, **args)
     finally:
         backend.close()
     return {"stock_dense_tokens_per_s": stock, "dense_tokens_per_s": result.dense_tokens_per_s,
@@ -154,5 +144,5 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("bench", help="measure decode throughput, dense vs sparse vs transformers (and vLLM)")
-    add_config_options(parser, BenchConfig, HELP)
+    add_config_options(parser, BenchConfig)
     parser.set_defaults(run=run)

@@ -9,25 +9,28 @@ from sparrow.measure.calibration import calibrate, eligible_schedules, profile_r
 from sparrow.measure.cost_model import compare, hardware
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
+from sparrow.options import check_output, require_file
 from sparrow.schedules import write_schedule_json
+from sparrow.typed_config import option
 
-from .common import check_output, require_file
 from .config import add_config_options, load_config
 from .profile import format_retention
 
 
 @dataclass
 class CalibrateConfig:
-    profile: str | None = None
-    tau: float = 0.86
-    margin: float = 0.0
-    min_tokens: int = 50
-    out: str = "schedule.json"
-    hardware: str = "h200"
-    peak_flops: float | None = None
-    bandwidth: float | None = None
-    samples: int = 8
-    min_retention: float | None = None
+    profile: str | None = option(None, "profile.json written by 'sparrow profile'")
+    tau: float = option(0.86, "target 5th percentile of the acceptance rate in every bin")
+    margin: float = option(0.0, "extra headroom above tau against measurement noise")
+    min_tokens: int = option(50, "tokens a bin needs before its percentile is trusted")
+    out: str = option("schedule.json", "schedule file to write (JSON; any command's --schedule accepts it)")
+    hardware: str = option("h200", "cost-model hardware for the predicted speedup: h100, h200, b200, a100 or cpu")
+    peak_flops: float | None = option(None, "peak FLOP/s (required for cpu)")
+    bandwidth: float | None = option(None, "memory bandwidth in bytes/s (required for cpu)")
+    samples: int = option(8, "samples per prompt assumed by the predicted speedup")
+    min_retention: float | None = option(None, "least reward retention (sparse mean reward / dense, from 'sparrow "
+                                               "profile --reward') a schedule must keep to be a candidate; every bin "
+                                               "gets at least the cheapest such one's budget")
 
     def validate(self) -> None:
         if self.profile is None:
@@ -37,21 +40,6 @@ class CalibrateConfig:
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
         hardware(self.hardware, self.peak_flops, self.bandwidth)
-
-
-HELP = {
-    "profile": "profile.json written by 'sparrow profile'",
-    "tau": "target 5th percentile of the acceptance rate in every bin",
-    "margin": "extra headroom above tau against measurement noise",
-    "min_tokens": "tokens a bin needs before its percentile is trusted",
-    "out": "schedule file to write (JSON; any command's --schedule accepts it)",
-    "hardware": "cost-model hardware for the predicted speedup: h100, h200, b200, a100 or cpu",
-    "peak_flops": "peak FLOP/s (required for cpu)",
-    "bandwidth": "memory bandwidth in bytes/s (required for cpu)",
-    "samples": "samples per prompt assumed by the predicted speedup",
-    "min_retention": "least reward retention (sparse mean reward / dense, from 'sparrow profile --reward') a "
-                     "schedule must keep to be a candidate; every bin gets at least the cheapest such one's budget",
-}
 
 
 def print_candidates(profile: dict, min_retention: float, page_size: int) -> None:
@@ -99,5 +87,5 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("calibrate", help="pick the cheapest schedule that holds tau in every length bin")
-    add_config_options(parser, CalibrateConfig, HELP)
+    add_config_options(parser, CalibrateConfig)
     parser.set_defaults(run=run)

@@ -13,16 +13,13 @@ from pathlib import Path
 from sparrow.typed_config import build, flatten_mapping, item_type, load_yaml, options
 
 
-def add_config_options(parser: argparse.ArgumentParser, cls, help_texts: dict[str, str] | None = None,
-                       skip: tuple[str, ...] = ()) -> None:
-    """Add `--config FILE` and one option per option of the config class `cls` (sections included)."""
-    help_texts = help_texts or {}
+def add_config_options(parser: argparse.ArgumentParser, cls) -> None:
+    """Add `--config FILE` and one option per option of the config class `cls` (sections included), with the
+    help text its field declares."""
     parser.add_argument("--config", type=Path, default=None, help="YAML file with any of the options below")
     for option in options(cls):
-        if option.name in skip:
-            continue
         flag = "--" + option.name.replace("_", "-")
-        text = help_texts.get(option.name, "")
+        text = option.help
         text = f"{text} (default: {option.default})" if text else f"default: {option.default}"
         if option.kind == "bool":
             parser.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,

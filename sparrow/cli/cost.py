@@ -6,12 +6,13 @@ import json
 from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
+from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, equal_cost_constant, hardware, paper_cost
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
+from sparrow.typed_config import option
 
-from .common import MODEL_HELP
 from .config import add_config_options, load_config
 
 
@@ -25,22 +26,28 @@ def _integers(name: str, text) -> list[int]:
 
 @dataclass
 class CostConfig:
-    model: str = "smollm2-135m"
-    schedule: str | None = None
-    prompt_len: int = 256
-    gen_len: int = 32768
-    samples: int = 8
-    prompt_lens: str | None = None
-    hardware: str = "h200"
-    peak_flops: float | None = None
-    bandwidth: float | None = None
-    page_size: int = 16
-    page_sizes: str | None = None
-    dense_layers: str = "0,1"
-    landmark: str = "centroid"
-    kv_bytes: float = 2
-    param_bytes: float = 2
-    json: bool = False
+    model: str = option("smollm2-135m", "smollm2-135m, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny-llama, "
+                                        "tiny-qwen2, tiny-qwen3 or a local Hugging Face model directory (only its "
+                                        "config.json is read)")
+    schedule: str | None = option(None, "sparse schedule: const:N, steps:BIN:b1,b2,..., start:budget,..., a preset "
+                                        "name or a JSON file")
+    prompt_len: int = option(256, f"prompt tokens (one shared prefill), at most {MAX_LENGTH:,}")
+    gen_len: int = option(32768, f"generated tokens per sample (decode steps), at most {MAX_LENGTH:,}")
+    samples: int = option(8, "samples decoded together from the prompt")
+    prompt_lens: str | None = option(None, "comma-separated prompt lengths of a mixed-length task: also find the "
+                                           "constant budget whose predicted cost over one trajectory per length equals "
+                                           "the schedule's")
+    hardware: str = option("h200", "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)")
+    peak_flops: float | None = option(None, "peak dense FLOP/s (overrides the preset)")
+    bandwidth: float | None = option(None, "memory bandwidth in bytes/s (overrides the preset)")
+    page_size: int = option(16, "tokens per KV page")
+    page_sizes: str | None = option(None, "comma-separated page sizes to compare at the same token budgets, e.g. "
+                                          "16,32,64,128")
+    dense_layers: str = option("0,1", "comma-separated layer indices that always attend densely")
+    landmark: str = option("centroid", "page landmark: " + " or ".join(LANDMARKS))
+    kv_bytes: float = option(2, "bytes per cached K/V element")
+    param_bytes: float = option(2, "bytes per weight")
+    json: bool = option(False, "print one JSON object")
 
     def validate(self) -> None:
         if self.schedule is None:
@@ -81,28 +88,6 @@ class CostConfig:
 
     def hw(self):
         return hardware(self.hardware, self.peak_flops, self.bandwidth)
-
-
-HELP = {
-    "model": "smollm2-135m, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, tiny-llama, tiny-qwen2, tiny-qwen3 or a "
-             "local Hugging Face model directory (only its config.json is read)",
-    "schedule": "sparse schedule: const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON file",
-    "prompt_len": f"prompt tokens (one shared prefill), at most {MAX_LENGTH:,}",
-    "gen_len": f"generated tokens per sample (decode steps), at most {MAX_LENGTH:,}",
-    "samples": "samples decoded together from the prompt",
-    "prompt_lens": "comma-separated prompt lengths of a mixed-length task: also find the constant budget whose "
-                   "predicted cost over one trajectory per length equals the schedule's",
-    "hardware": "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)",
-    "peak_flops": "peak dense FLOP/s (overrides the preset)",
-    "bandwidth": "memory bandwidth in bytes/s (overrides the preset)",
-    "page_size": "tokens per KV page",
-    "page_sizes": "comma-separated page sizes to compare at the same token budgets, e.g. 16,32,64,128",
-    "dense_layers": "comma-separated layer indices that always attend densely",
-    "landmark": MODEL_HELP["landmark"],
-    "kv_bytes": "bytes per cached K/V element",
-    "param_bytes": "bytes per weight",
-    "json": "print one JSON object",
-}
 
 
 def _whole(value: float) -> float | int:
@@ -210,5 +195,5 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("cost", help="predict the cost of dense vs sparse rollouts (no weights loaded)",
                             description="Predict the cost of dense vs sparse rollouts in equivalent FLOPs "
                                         "(FLOPs + I x bytes; docs/cost-model.md).")
-    add_config_options(parser, CostConfig, HELP)
+    add_config_options(parser, CostConfig)
     parser.set_defaults(run=run)

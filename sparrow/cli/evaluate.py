@@ -7,71 +7,50 @@ import math
 from dataclasses import dataclass
 
 from sparrow.datasets import DataSpec, load_examples
-from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
-from sparrow.rewards import load_reward
-from sparrow.rewards.sandbox import require_sandbox
+from sparrow.options import AdaptedModelSection, DataSection, RolloutSection, SamplingSection, ScheduledSparseSection
+from sparrow.typed_config import check_int, option, section
 
-from .common import MODEL_HELP, ROLLOUT_HELP, ModelOptions, RolloutOptions, require_file
 from .config import add_config_options, load_config
 
 
 @dataclass
-class EvalConfig(ModelOptions, RolloutOptions):
-    data: str | None = None
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    reward: list[str] | None = None
-    k: int = 16
-    threshold: float = 1.0
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    json: bool = False
-    unsafe_code_reward: bool = False
+class EvalConfig:
+    model: AdaptedModelSection = section(AdaptedModelSection)
+    sparse: ScheduledSparseSection = section(ScheduledSparseSection)
+    sampling: SamplingSection = section(SamplingSection)
+    data: DataSection = section(DataSection)
+    rollout: RolloutSection = section(RolloutSection)
+    k: int = option(16, "samples per prompt")
+    threshold: float = option(1.0, "total reward at which a sample counts as passing")
+    seed: int = option(0, "sampling seed")
+    json: bool = option(False, "print one JSON object")
 
     def validate(self) -> None:
-        ModelOptions.validate(self)
-        RolloutOptions.validate(self)
-        if self.data is None:
-            raise SparrowError("give the prompt data: --data FILE.jsonl|.parquet")
-        require_file(self.data, "data file")
-        if self.k < 1:
-            raise SparrowError(f"k must be >= 1, got {self.k}")
+        for part in (self.model, self.sparse, self.sampling, self.data):
+            part.validate()
+        self.rollout.validate(self.model.device)
+        check_int("k", self.k, 1)
+        check_int("seed", self.seed, 0)
         if not math.isfinite(self.threshold):
             raise SparrowError(f"threshold must be a finite total reward, got {self.threshold}")
-        self.rewards()
-        if "code" in (self.reward or []):
-            require_sandbox(allow_unsafe=self.unsafe_code_reward)
-        self.sampling()
-
-    def rewards(self) -> list:
-        return [(name, load_reward(name), 1.0) for name in (self.reward or ["math"])]
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, num_logprobs=1)
-
-
-HELP = {**MODEL_HELP, **ROLLOUT_HELP, "data": "prompt set (.jsonl or .parquet)", "reward": "reward function(s), as for train",
-        "k": "samples per prompt", "threshold": "total reward at which a sample counts as passing",
-        "json": "print one JSON object",
-        "unsafe_code_reward": "let the code reward run without a sandbox where none is available (dangerous)"}
+        self.data.check_answers(("data", self.data.path))
 
 
 def run(args) -> int:
     config = load_config(EvalConfig, args)
-    examples = load_examples(DataSpec(config.data, config.prompt_field, config.answer_field))
-    model, tokenizer = config.load()
-    backend = config.make_backend(config, model, tokenizer)
+    data = config.data
+    examples = load_examples(DataSpec(data.path, data.prompt_field, data.answer_field))
+    model, tokenizer = config.model.load()
+    backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
     try:
-        result = evaluate(backend, examples, config.rewards(), config.parsed_schedule(), config.sampling(), config.k,
-                          config.threshold, progress=not config.json)
+        result = evaluate(backend, examples, data.parsed, config.sparse.parsed_schedule,
+                          config.sampling.params(config.seed, num_logprobs=1), config.k, config.threshold,
+                          progress=not config.json)
     finally:
         backend.close()
-    result["schedule"] = config.schedule
+    result["schedule"] = config.sparse.schedule
     if config.json:
         print(json.dumps(result))
     else:
@@ -82,5 +61,5 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("eval", help="mean@k and pass@k of dense or sparse rollouts")
-    add_config_options(parser, EvalConfig, HELP)
+    add_config_options(parser, EvalConfig)
     parser.set_defaults(run=run)

@@ -7,22 +7,28 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
+from sparrow.options import check_output
 from sparrow.tasks import get_task
 from sparrow.tasks.fitting import length_targets, prompt_length
+from sparrow.typed_config import option
 
-from .common import check_output
 from .config import add_config_options, load_config
 
 
 @dataclass
 class PromptsConfig:
-    task: str = "records"
-    count: int = 8
-    min_tokens: int = 3000
-    max_tokens: int | None = None
-    seed: int = 0
-    model: str = "smollm2-135m"
-    out: str | None = None
+    task: str = option("records", "records: a long storage ledger and a question about one entry (answer: an integer, "
+                                  "math reward); passkey: a pass key hidden in a long ledger (answer: five digits, "
+                                  "first_number reward); manifest: copy a numbered list of 16 codes hidden in a long "
+                                  "ledger, the answer started with '1. ' (answer: the codes, number_f1 reward; a "
+                                  "long-generation task)")
+    count: int = option(8, "number of prompts")
+    min_tokens: int = option(3000, "minimum prompt length in tokens, chat template included")
+    max_tokens: int | None = option(None, "with it, prompt lengths spread evenly from min_tokens to max_tokens (a "
+                                          "mixed-length set)")
+    seed: int = option(0, "")
+    model: str = option("smollm2-135m", "whose tokenizer measures the length")
+    out: str | None = option(None, "output JSONL file (default: standard output)")
 
     def validate(self) -> None:
         get_task(self.task)
@@ -33,19 +39,6 @@ class PromptsConfig:
             raise SparrowError(f"seed must be >= 0, got {self.seed}")
         if self.out:
             check_output(self.out, "output file", directory=False)
-
-
-HELP = {
-    "task": "records: a long storage ledger and a question about one entry (answer: an integer, math reward); "
-            "passkey: a pass key hidden in a long ledger (answer: five digits, first_number reward); "
-            "manifest: copy a numbered list of 16 codes hidden in a long ledger, the answer started with '1. ' "
-            "(answer: the codes, number_f1 reward; a long-generation task)",
-    "count": "number of prompts",
-    "min_tokens": "minimum prompt length in tokens, chat template included",
-    "max_tokens": "with it, prompt lengths spread evenly from min_tokens to max_tokens (a mixed-length set)",
-    "model": "whose tokenizer measures the length",
-    "out": "output JSONL file (default: standard output)",
-}
 
 
 def run(args) -> int:
@@ -79,5 +72,5 @@ def _check_fits(config: PromptsConfig, bound: str, tokens: int, context: int) ->
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("prompts", help="write a built-in long-prompt set as JSONL")
-    add_config_options(parser, PromptsConfig, HELP)
+    add_config_options(parser, PromptsConfig)
     parser.set_defaults(run=run)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparrow.options import check_output
 from sparrow.rl.report import write_report
-
-from .common import check_output
 
 
 def run(args) -> int:

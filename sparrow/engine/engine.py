@@ -154,7 +154,7 @@ class RolloutEngine:
                   disable=not progress) as bar:
             for start in range(0, len(prompts), per_wave):
                 wave = list(range(start, min(start + per_wave, len(prompts))))
-                seqs = [Completion(i, s, encoded[i], keys[i]) for i in wave for s in range(num_samples)]
+                seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in wave for s in range(num_samples)]
                 streams = [sequence_stream(seed, seq.prompt_key, seq.sample_index) for seq in seqs]
                 results += self._generate_wave(wave, seqs, streams, encoded, sampling, schedule, num_samples, bar)
         return results

@@ -60,6 +60,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the rollout log-probs are at (1 for greedy decoding)."""
+        return 1.0 if self.greedy else float(self.temperature)
+
 
 def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -137,7 +142,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor 
 
     A row's token, log-probs and `finite` flag depend on that row's logits and uniform only.
     """
-    scaled = logits.float() / (1.0 if params.greedy else params.temperature)
+    scaled = logits.float() / params.logprob_temperature
     finite = all_finite(scaled)
     logp = torch.log_softmax(scaled, dim=-1)
     if params.greedy:

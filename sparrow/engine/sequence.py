@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .sampling import SamplingParams
+
 
 @dataclass
 class Completion:
@@ -14,6 +16,7 @@ class Completion:
     finish_reason: "stop" (EOS or a stop string) or "length" (max_new_tokens).
     prompt_index is the prompt's index within the call that generated it; prompt_key the key its random streams
     were derived from (`RolloutEngine.generate(prompt_keys=...)`; the index unless the caller gave keys).
+    sampling: the settings it was drawn with (its log-probs are at `sampling.logprob_temperature`).
     """
 
     prompt_index: int
@@ -27,6 +30,7 @@ class Completion:
     kv_budget: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    sampling: SamplingParams | None = None
 
     def __post_init__(self):
         if self.prompt_key is None:

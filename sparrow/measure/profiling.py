@@ -74,8 +74,8 @@ def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling
     by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without).
     `reward` (completions -> one reward each), when given, scores the completions too."""
     completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress)
-    temperature = 1.0 if sampling.greedy else sampling.temperature
-    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature, progress=progress)
+    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, sampling.logprob_temperature,
+                                       progress=progress)
     alpha, total, generated, budget = [], [], [], []
     for c, values in zip(completions, alphas):
         n = len(c.token_ids)

@@ -9,24 +9,30 @@ the results are in `config.parsed`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
-from sparrow.models import resolve_device, resolve_dtype
-from sparrow.rewards import load_reward
-from sparrow.rewards.sandbox import require_sandbox
-from sparrow.rollout.factory import check_backend, check_rollout_workers
-from sparrow.schedules import Schedule, parse_schedule
-from sparrow.typed_config import check_finite, check_int, flagged
+from sparrow.options import (
+    SCHEDULE_HELP,
+    DataSection,
+    ModelSection,
+    RolloutSection,
+    SamplingSection,
+    ScheduledSparseSection,
+    SparseSection,
+    check_output,
+    require_file,
+)
+from sparrow.schedules import Schedule
+from sparrow.typed_config import check_finite, check_int, option, section
 
 from .distill import DistillConfig
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
 MONITORS = ("exact", "bounds")
 NON_FINITE_ACTIONS = ("skip", "stop")
-ANSWER_REWARDS = ("math", "first_number", "number_f1")
+ADAPTIVE = "adaptive"
 
 
 def _check_choice(name: str, value, known) -> None:
@@ -34,113 +40,72 @@ def _check_choice(name: str, value, known) -> None:
         raise SparrowError(f"unknown {name} {value!r}: expected one of {', '.join(known)}")
 
 
-def _check_file(name: str, path: str | None) -> None:
-    if path is None:
-        return
-    if not Path(path).exists():
-        raise SparrowError(f"{name} file {path!r} does not exist")
-    if not Path(path).is_file():
-        raise SparrowError(f"{name} {path!r} is a directory; expected a .jsonl or .parquet file")
-
-
 @dataclass
-class ModelSection:
-    name: str = flagged("model", "tiny-qwen3")
-    dtype: str = "float32"
-    device: str = "auto"
+class TrainSparseSection(ScheduledSparseSection):
+    schedule: str = option("dense", "rollout KV budget schedule (dense for the dense-rollout baseline; adaptive: "
+                           "moved per length bin during training to hold tau); otherwise " + SCHEDULE_HELP)
 
     def validate(self) -> None:
-        resolve_dtype(self.dtype)
-        resolve_device(self.device)
+        SparseSection.validate(self)  # the schedule may be `adaptive`: TrainConfig parses it
 
 
 @dataclass
-class SparseSection:
-    schedule: str = "dense"
-    page_size: int = 16
-    landmark: str = "centroid"
-    dense_layers: str = "0,1"
-
-    def config(self) -> SparseConfig:
-        return SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
-
-    def parse(self, spec: str) -> Schedule:
-        sparse = self.config()
-        return parse_schedule(spec, sparse.page_size, sparse.always_kept_pages)
-
-
-@dataclass
-class SamplingSection:
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    num_logprobs: int = 20
+class TrainSamplingSection(SamplingSection):
+    num_logprobs: int = option(20, "top-K log-probs kept per rollout token; they bound the acceptance rate (more: "
+                               "tighter bounds)")
 
     def validate(self) -> None:
         check_finite("temperature", self.temperature, 0, low_open=True)  # training needs a sampled policy
-        self.params(seed=0)
+        super().validate()
         if self.num_logprobs == 0:
             raise SparrowError("num_logprobs must be >= 1 in training: the acceptance monitor bounds each rollout "
                                "token with its top-K log-probs; got 0")
 
-    def params(self, seed: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              num_logprobs=self.num_logprobs, seed=seed)
+    def params(self, seed: int, **extra) -> SamplingParams:
+        return super().params(seed, num_logprobs=self.num_logprobs, **extra)
 
 
 @dataclass
-class DataSection:
-    path: str | None = flagged("data", None)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    reward: list[str] | None = None
-    reward_weights: list[float] | None = None
-    unsafe_code_reward: bool = False
+class TrainRolloutSection(RolloutSection):
+    wire_dtype: str | None = option(None, "dtype of the weights sent to Ray workers (bfloat16 halves the bytes; "
+                                    "workers compute in --dtype)")
 
-    def validate(self) -> None:
-        if self.path is None:
-            raise SparrowError("give the prompt data: --data FILE.jsonl|.parquet")
-        _check_file("data", self.path)
-        names = self.reward or ["math"]
-        weights = self.reward_weights or [1.0] * len(names)
-        if len(weights) != len(names):
-            raise SparrowError(f"{len(names)} reward(s) but {len(weights)} reward_weights; give one weight each")
-        for w in weights:
-            check_finite("reward weight", w)
-        if "code" in names:
-            require_sandbox(allow_unsafe=self.unsafe_code_reward)
-
-    def rewards(self) -> list:
-        names = self.reward or ["math"]
-        weights = self.reward_weights or [1.0] * len(names)
-        return [(name, load_reward(name), float(w)) for name, w in zip(names, weights)]
+    def validate(self, device: str) -> None:
+        super().validate(device)
+        if self.wire_dtype is not None:
+            _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
 
 
 @dataclass
 class GRPOSection:
     """Defaults follow the release (SPEC section 7)."""
 
-    steps: int = 2
-    prompts_per_step: int = 2
-    num_generations: int = 8
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    advantage_estimator: str = "grpo"
-    advantage_std: str = "sample"
-    policy_loss: str = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = 3.0
-    tis_mode: str = "truncate"
-    tis_cap: float = 2.0
-    loss_aggregation: str = "token-mean"
-    mini_batches: int = 1
-    micro_batch_size: int = 4
-    log_prob_micro_batch_size: int | None = None  # rows per no-grad forward (recompute, monitor); None: micro_batch_size
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    non_finite: str = "skip"
+    steps: int = option(2, "GRPO steps")
+    prompts_per_step: int = option(2, "prompt groups per step")
+    num_generations: int = option(8, "rollouts per prompt (the GRPO group)")
+    learning_rate: float = option(1e-6, "AdamW learning rate of the policy, in (0, 1]")
+    weight_decay: float = option(0.0, "AdamW weight decay of the policy")
+    max_grad_norm: float = option(1.0, "gradient clipping norm")
+    advantage_estimator: str = option("grpo", "grpo ((r - mean) / std per group), dr_grpo (r - mean) or rloo "
+                                      "(leave-one-out mean)")
+    advantage_std: str = option("sample", "group std of grpo: sample (Bessel, as verl, TRL and the release) or "
+                                "population")
+    policy_loss: str = option("ppo_clip", "policy loss by name: " + ", ".join(POLICY_LOSSES))
+    clip_low: float = option(0.2, "PPO clip below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = option(0.28, "PPO clip above 1 (ratio <= 1 + clip_high)")
+    dual_clip: float | None = option(3.0, "dual-clip constant c > 1 for negative advantages (null: off)")
+    tis_mode: str = option("truncate", "truncated importance sampling: truncate, mask or off")
+    tis_cap: float = option(2.0, "C in min(pi_old / pi_rollout, C)")
+    loss_aggregation: str = option("token-mean", "how token losses are averaged: " + ", ".join(LOSS_AGGREGATIONS))
+    mini_batches: int = option(1, "optimizer steps per GRPO step")
+    micro_batch_size: int = option(4, "rows per forward and backward of the update (gradients accumulated)")
+    log_prob_micro_batch_size: int | None = option(None, "rows per forward without gradients (recompute, monitor, "
+                                                   "KL reference; default --micro-batch-size): a whole group "
+                                                   "computes its prompt once")
+    kl_coef: float = option(0.0, "weight of the KL penalty to the initial policy (0: no reference model)")
+    kl_estimator: str = option("k3", "KL estimator: " + ", ".join(KL_ESTIMATORS))
+    non_finite: str = option("skip", "a mini-batch whose loss or gradient is not finite: skip its update (and say "
+                             "so) or stop the run")
 
     def validate(self) -> None:
         for name in ("steps", "prompts_per_step", "mini_batches", "micro_batch_size"):
@@ -179,15 +144,19 @@ class MonitorSection:
     the first `reward_check_prompts` prompts are also drawn densely with the same seeds and scored, and a
     retention whose interval lies below `min_retention` is warned about."""
 
-    tau: float = 0.86
-    bin_size: int = 2000
-    monitor: str = "exact"
-    monitor_every: int = 1
-    monitor_share: float = 1.0
-    reward_check_every: int = 4
-    reward_check_prompts: int = 1
-    reward_check_samples: int = 4
-    min_retention: float = 0.9
+    tau: float = option(0.86, "tail-acceptance threshold: a length bin whose 5th percentile falls below it is warned "
+                        "about")
+    bin_size: int = option(2000, "length bin, in cached tokens, of the acceptance statistics")
+    monitor: str = option("exact", "acceptance monitor: exact (teacher-forced sparse vs dense, full distributions) "
+                          "or bounds (top-K)")
+    monitor_every: int = option(1, "exact monitoring every N-th step")
+    monitor_share: float = option(1.0, "share of each step's prompt groups measured exactly (0 < share <= 1)")
+    reward_check_every: int = option(4, "every N-th step of sparse rollouts, also roll out densely a few samples "
+                                     "with the same seeds and compare rewards (0: never)")
+    reward_check_prompts: int = option(1, "prompts of a step in the reward check")
+    reward_check_samples: int = option(4, "samples per prompt in the reward check")
+    min_retention: float = option(0.9, "sparse/dense reward retention below which (its whole interval) the reward "
+                                  "check warns")
 
     def validate(self) -> None:
         check_finite("tau", self.tau, 0, 1)
@@ -206,10 +175,14 @@ class AdaptiveSection:
     """`schedule: adaptive`: budgets per length bin (`bin_size`) move during training (sparrow/rl/adaptive.py),
     from the `adaptive_start` schedule, to the cheapest rung whose exact p5 holds tau."""
 
-    start: str = flagged("adaptive_start", "dense")
-    margin: float = flagged("adaptive_margin", 0.02)
-    patience: int = flagged("adaptive_patience", 2)
-    min_tokens: int = flagged("adaptive_min_tokens", 200)
+    start: str = option("dense", "with --schedule adaptive: the schedule its budgets start from",
+                        flag="adaptive_start")
+    margin: float = option(0.02, "with --schedule adaptive: a bin moves down only when the cheaper rung's p5 "
+                           "interval clears tau + margin", flag="adaptive_margin")
+    patience: int = option(2, "with --schedule adaptive: consecutive steps of evidence before a bin moves (up at "
+                           "once when certainly below tau)", flag="adaptive_patience")
+    min_tokens: int = option(200, "with --schedule adaptive: measured tokens a bin needs in a step to be decided on",
+                             flag="adaptive_min_tokens")
 
     def validate(self) -> None:
         check_finite("adaptive_margin", self.margin, 0, 1, high_open=True)
@@ -219,51 +192,34 @@ class AdaptiveSection:
 
 @dataclass
 class EvalSection:
-    data: str | None = flagged("eval_data", None)
-    every: int = flagged("eval_every", 10)
-    generations: int = flagged("eval_generations", 4)
-    schedule: str = flagged("eval_schedule", "dense")
+    data: str | None = option(None, "held-out prompt set (.jsonl or .parquet) scored before training and every "
+                              "eval_every steps", flag="eval_data")
+    every: int = option(10, "held-out evaluation every N-th step", flag="eval_every")
+    generations: int = option(4, "samples per held-out prompt (mean@k, pass@k)", flag="eval_generations")
+    schedule: str = option("dense", "schedule of the held-out rollouts", flag="eval_schedule")
 
     def validate(self) -> None:
-        _check_file("eval_data", self.data)
+        if self.data is not None:
+            require_file(self.data, "eval_data file")
         check_int("eval_every", self.every, 1)
         check_int("eval_generations", self.generations, 1)
 
 
 @dataclass
-class RolloutSection:
-    backend: str = "native"
-    workers: int = flagged("rollout_workers", 0)
-    ray_address: str | None = None
-    cpus_per_worker: int | None = None
-    wire_dtype: str | None = None
-    max_batch_size: int = 64
-
-    def validate(self) -> None:
-        check_backend(self.backend, self.workers, self.ray_address)
-        if self.cpus_per_worker is not None:
-            check_int("cpus_per_worker", self.cpus_per_worker, 1)
-        if self.wire_dtype is not None:
-            _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
-        check_int("max_batch_size", self.max_batch_size, 1)
-
-
-@dataclass
 class RunSection:
-    seed: int = 0
-    output_dir: str = "runs/train"
-    save_every: int = 1
-    keep_last: int = 2
-    resume: bool = False
-    allow_changes: bool = False
+    seed: int = option(0, "seed of the rollouts, the data order and the adapter's initialization")
+    output_dir: str = option("runs/train", "where metrics.jsonl and checkpoints go")
+    save_every: int = option(1, "checkpoint every N-th step")
+    keep_last: int = option(2, "checkpoints kept")
+    resume: bool = option(False, "continue from the newest checkpoint in --output-dir")
+    allow_changes: bool = option(False, "with --resume: accept a changed config for the options where continuing "
+                                 "makes sense")
 
     def validate(self) -> None:
         check_int("seed", self.seed, 0)
         check_int("save_every", self.save_every, 1)
         check_int("keep_last", self.keep_last, 1)
-        out = Path(self.output_dir)
-        if out.exists() and not out.is_dir():
-            raise SparrowError(f"output_dir {self.output_dir!r} is an existing file; expected a directory")
+        check_output(self.output_dir, "output_dir", directory=True)
         if self.allow_changes and not self.resume:
             raise SparrowError("allow_changes only applies to --resume; pass both or neither")
 
@@ -294,26 +250,26 @@ class Parsed:
 class TrainConfig:
     """One GRPO run. Option names follow TRL where they mean the same thing (num_generations, learning_rate, ...)."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    sparse: SparseSection = field(default_factory=SparseSection)
-    sampling: SamplingSection = field(default_factory=SamplingSection)
-    data: DataSection = field(default_factory=DataSection)
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-    monitor: MonitorSection = field(default_factory=MonitorSection)
-    adaptive: AdaptiveSection = field(default_factory=AdaptiveSection)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    eval: EvalSection = field(default_factory=EvalSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = section(ModelSection, name="tiny-qwen3")
+    sparse: TrainSparseSection = section(TrainSparseSection)
+    sampling: TrainSamplingSection = section(TrainSamplingSection)
+    data: DataSection = section(DataSection)
+    grpo: GRPOSection = section(GRPOSection)
+    monitor: MonitorSection = section(MonitorSection)
+    adaptive: AdaptiveSection = section(AdaptiveSection)
+    distill: DistillConfig = section(DistillConfig)
+    eval: EvalSection = section(EvalSection)
+    rollout: TrainRolloutSection = section(TrainRolloutSection)
+    run: RunSection = section(RunSection)
     parsed: Parsed | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
-        for section in (self.model, self.sampling, self.data, self.grpo, self.monitor, self.adaptive, self.eval,
-                        self.rollout, self.run):
-            section.validate()
-        check_rollout_workers(self.rollout.workers, self.rollout.ray_address, self.model.device)
+        for part in (self.model, self.sparse, self.sampling, self.data, self.grpo, self.monitor, self.adaptive,
+                     self.eval, self.run):
+            part.validate()
+        self.rollout.validate(self.model.device)
         distill = self.distill
-        adaptive = self.sparse.schedule == "adaptive"
+        adaptive = self.sparse.schedule == ADAPTIVE
         schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)
         if adaptive and self.monitor.monitor != "exact":
             raise SparrowError("schedule adaptive moves budgets on the exact acceptance: it needs monitor exact, "
@@ -328,29 +284,12 @@ class TrainConfig:
                                    "expected a more aggressive candidate")
         if distill.probe_data is not None and distill.switch_schedule is None:
             raise SparrowError("probe_data is only used by the switch probes; give switch_schedule as well")
-        _check_file("probe_data", distill.probe_data)
-        rewards = self.data.rewards()
+        if distill.probe_data is not None:
+            require_file(distill.probe_data, "probe_data file")
         self.parsed = Parsed(self.sparse.config(), schedule, adaptive, switch, self.sparse.parse(self.eval.schedule),
-                             rewards)
-        self._check_answers()
+                             self.data.parsed)
+        self.data.check_answers(("data", self.data.path), ("eval_data", self.eval.data))
 
     def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""
         return StepConfig(self.grpo, self.sampling, self.monitor, self.parsed.sparse)
-
-    def _check_answers(self) -> None:
-        """Rewards that compare with a reference answer need one in every row (checked on the data now)."""
-        needs = [name for name in (self.data.reward or ["math"]) if name in ANSWER_REWARDS]
-        if not needs:
-            return
-        from sparrow.datasets import DataSpec, load_examples
-
-        for name, path in (("data", self.data.path), ("eval_data", self.eval.data)):
-            if path is None:
-                continue
-            examples = load_examples(DataSpec(path, self.data.prompt_field, self.data.answer_field))
-            missing = [i for i, ex in enumerate(examples) if ex.answer in (None, "")]
-            if missing:
-                raise SparrowError(f"reward {needs[0]!r} compares with each row's {self.data.answer_field!r}, but "
-                                   f"{len(missing)} row(s) of {name} {path!r} have none (first: row {missing[0]}); "
-                                   "give --answer-field or another --reward")

@@ -28,9 +28,9 @@ from sparrow.errors import SparrowError
 from sparrow.lora import LoraSpec, adapter_parameters, base_parameters, without_adapter
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
-from sparrow.typed_config import check_int, flagged
+from sparrow.typed_config import check_int, option
 
-from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, ppo_clip_loss
+from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, policy_loss
 
 DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
 
@@ -55,19 +55,24 @@ class DistillConfig:
     `probe_data` or the last rows of the data) hold every length bin's acceptance p5 at tau.
     """
 
-    enabled: bool = flagged("distill", False)
-    lr: float = flagged("distill_lr", 1e-4)
-    rank: int = flagged("distill_rank", 8)
-    alpha: float = flagged("distill_alpha", 16.0)
-    targets: str = flagged("distill_targets", "all-linear")
-    dropout: float = flagged("distill_dropout", 0.0)
-    kl_lambda: float = flagged("distill_lambda", 0.001)
-    kl: str = flagged("distill_kl", "k3")
-    switch_schedule: str | None = None
-    probe_every: int = 10
-    probe_prompts: int = 4
-    probe_patience: int = 2
-    probe_data: str | None = None
+    enabled: bool = option(False, "DistillSparse: a LoRA adapter active only in the sparse actor, trained toward "
+                           "the dense policy", flag="distill")
+    lr: float = option(1e-4, "AdamW learning rate of the adapter", flag="distill_lr")
+    rank: int = option(8, "LoRA rank of the adapter", flag="distill_rank")
+    alpha: float = option(16.0, "LoRA scaling numerator of the adapter", flag="distill_alpha")
+    targets: str = option("all-linear", "all-linear or comma-separated module names for the adapter",
+                          flag="distill_targets")
+    dropout: float = option(0.0, "LoRA dropout of the adapter", flag="distill_dropout")
+    kl_lambda: float = option(0.001, "weight of the adapter's KL term", flag="distill_lambda")
+    kl: str = option("k3", "k3 (sampled-token estimate of KL(sparse||dense)), forward (exact KL(dense||sparse)) or "
+                     "reverse", flag="distill_kl")
+    switch_schedule: str | None = option(None, "a more aggressive schedule rollouts switch to once probes show its "
+                                         "tail acceptance >= tau")
+    probe_every: int = option(10, "a switch probe every N-th step")
+    probe_prompts: int = option(4, "held-out prompts per switch probe")
+    probe_patience: int = option(2, "consecutive passing probes before rollouts switch")
+    probe_data: str | None = option(None, "prompts for the switch probes (default: the last probe_prompts rows of "
+                                    "--data, held out)")
 
     def __post_init__(self):
         check_int("distill_rank", self.rank, 1)
@@ -122,8 +127,9 @@ class Distiller:
              cfg) -> dict:
         """One adapter update on the step's rollouts, base weights frozen; returns `distill/...` metrics.
 
-        L_PPO_sparse is the clipped PPO loss with pi_theta = the teacher-forced sparse log-probs (adapter on, the
-        rollout `schedule`), pi_old = the rollout log-probs and the GRPO advantages. No TIS weight: the rollouts
+        L_PPO_sparse is the run's policy loss (`--policy-loss`, clipped PPO by default) with pi_theta = the
+        teacher-forced sparse log-probs (adapter on, the rollout `schedule`), pi_old = the rollout log-probs and
+        the GRPO advantages. No TIS weight: the rollouts
         were sampled by this very actor (before its update), so the old policy is the behaviour policy and the
         PPO ratio already is the full importance ratio. L_KL (token mean) pulls the sparse actor toward the
         dense policy: "k3" uses the dense `logp_old` of the recompute (pi_old, before this step's dense update)
@@ -134,7 +140,7 @@ class Distiller:
         accumulation and `max_grad_norm` as for the policy.
         """
         clock = time.perf_counter()
-        grpo, temperature = cfg.grpo, cfg.sampling.temperature
+        grpo, temperature = cfg.grpo, batch.temperature
         clip = {"clip_low": grpo.clip_low, "clip_high": grpo.clip_high, "dual_clip": grpo.dual_clip,
                 "aggregation": grpo.loss_aggregation}
         rows = torch.arange(batch.input_ids.shape[0])
@@ -150,7 +156,8 @@ class Distiller:
                 valid = mask.bool()
                 logits, span = piece_logits(self.model, batch, piece, actor)
                 logp = piece_logprobs(logits, batch, piece, span, temperature)
-                ppo, _ = ppo_clip_loss(logp, batch.rollout_logprobs[piece], advantages[piece], mask, **clip)
+                ppo, _ = policy_loss(grpo.policy_loss, logp, batch.rollout_logprobs[piece], advantages[piece], mask,
+                                     **clip)
                 if self.cfg.kl == "k3":
                     kl = kl_penalty(logp, logp_old[piece], "k3")[valid].mean()
                 else:

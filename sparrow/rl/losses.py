@@ -184,6 +184,35 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
     r > 1 + clip_high), dual_clip_frac, ratio_mean, approx_kl = mean 0.5 * (logp - logp_old)^2.
     Values at masked positions are ignored (padding may hold anything); the log-ratio is clamped to +-20 as in verl.
     """
+    adv, valid = _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip_high, dual_clip,
+                                    aggregation)
+    log_ratio = torch.where(valid, _as_float(logp) - _as_float(logp_old).detach(), 0.0)
+    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return _clipped_loss(log_ratio, log_ratio, adv, valid, weights, clip_low, clip_high, dual_clip, aggregation)
+
+
+def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              weights: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
+              dual_clip: float | None = 3.0, aggregation: str = "token-mean") -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form: every token of a sequence
+    gets the sequence's importance ratio s = exp(mean over its tokens of (logp - logp_old)), the length-normalised
+    (geometric-mean) ratio, with the gradient of its own log-prob: r_t = exp(sg[log s] + logp_t - sg[logp_t]).
+    Clipping, dual clip, TIS weights, aggregation and metrics as `ppo_clip_loss`; GSPO's paper uses far smaller
+    clip ranges (3e-4 / 4e-4) and "seq-mean-token-mean", which verl's `gspo` loss defaults to (same numbers)."""
+    adv, valid = _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip_high, dual_clip,
+                                    aggregation)
+    logp = _as_float(logp)
+    token = torch.where(valid, logp - _as_float(logp_old).detach(), 0.0)
+    counts = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    sequence = (token.sum(dim=1, keepdim=True) / counts).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = torch.where(valid, sequence.detach() + logp - logp.detach(), 0.0)
+    return _clipped_loss(log_ratio, token, adv, valid, weights, clip_low, clip_high, dual_clip, aggregation)
+
+
+def _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip_high, dual_clip,
+                       aggregation) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks every policy loss makes; returns (advantages [B, 1] or [B, T] as floats, zero where masked;
+    the valid-token mask)."""
     _check_name(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
     for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
         if not value >= 0:
@@ -201,11 +230,14 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
         raise SparrowError(f"advantages have shape {tuple(advantages.shape)}: expected [{logp.shape[0]}] "
                            f"(per sequence) or {list(logp.shape)} (per token)")
     valid = _check_mask(mask)
+    return torch.where(valid, _as_float(advantages).detach(), 0.0), valid
 
-    log_ratio = torch.where(valid, _as_float(logp) - _as_float(logp_old).detach(), 0.0)
-    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+def _clipped_loss(log_ratio, token_log_ratio, adv, valid, weights, clip_low, clip_high, dual_clip,
+                  aggregation) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate of ratio r = exp(log_ratio) (zero where masked), its aggregation and metrics;
+    approx_kl is of the per-token `token_log_ratio`."""
     ratio = torch.exp(log_ratio)
-    adv = torch.where(valid, _as_float(advantages).detach(), 0.0)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     dual = torch.zeros_like(valid)
     if dual_clip is not None:
@@ -217,13 +249,13 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
 
     with torch.no_grad():
         r = ratio[valid]
-        a = adv[valid]
+        a = adv.expand_as(ratio)[valid]
         n = r.numel()
         low = int(((a < 0) & (r < 1 - clip_low)).sum()) / n
         high = int(((a > 0) & (r > 1 + clip_high)).sum()) / n
         metrics = {"clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
-                   "dual_clip_frac": int(dual[valid].sum()) / n, "ratio_mean": r.mean().item(),
-                   "approx_kl": (0.5 * log_ratio[valid] ** 2).mean().item()}
+                   "dual_clip_frac": int(dual.expand_as(ratio)[valid].sum()) / n, "ratio_mean": r.mean().item(),
+                   "approx_kl": (0.5 * token_log_ratio[valid] ** 2).mean().item()}
     return total, metrics
 
 
@@ -239,7 +271,7 @@ def accumulation_share(mask: torch.Tensor, tokens: torch.Tensor, rows: int, tota
     return torch.tensor(rows / total_rows)
 
 
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss}
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss}
 
 
 def policy_loss(name: str, logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,

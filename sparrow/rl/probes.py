@@ -53,8 +53,8 @@ def probe(backend, model, prompts: list, schedule: Schedule, sampling, num_sampl
     the sparse actor, off for the dense policy). Returns the per-bin 5th percentiles (bins by total cached
     length) and `probe/...` metrics."""
     completions = backend.generate(prompts, sampling, schedule, num_samples)
-    temperature = 1.0 if sampling.greedy else sampling.temperature
-    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, temperature, pad_id=pad_id)
+    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, sampling.logprob_temperature,
+                                       pad_id=pad_id)
     alpha = torch.tensor([a for values in alphas for a in values], dtype=torch.float64)
     positions = torch.tensor([len(c.prompt_token_ids) + i for c in completions for i in range(len(c.token_ids))])
     stats = tail_stats(alpha, positions, bin_size)

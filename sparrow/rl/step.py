@@ -161,7 +161,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     clock = time.perf_counter()
     batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
     step.advantages = step.advantages.to(policy.device)
-    temperature = cfg.sampling.temperature
+    temperature = batch.temperature
     logp_old = torch.zeros_like(batch.rollout_logprobs)
     bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
     exact = torch.full_like(batch.mask, float("nan"))
@@ -219,7 +219,7 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                 mini_loss = 0.0
                 for micro, prompt in _with_shared_prompts(policy.model, batch, _pieces(step, mini, cfg)):
                     logits, span = piece_logits(policy.model, batch, micro, forward=prompt.logits)
-                    logp = piece_logprobs(logits, batch, micro, span, cfg.sampling.temperature)
+                    logp = piece_logprobs(logits, batch, micro, span, batch.temperature)
                     loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
                                               batch.mask[micro], weights=step.weights[micro],
                                               clip_low=grpo.clip_low, clip_high=grpo.clip_high,

@@ -20,9 +20,7 @@ from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate
 from sparrow.io import append_jsonl
 from sparrow.lora import attach_adapter, base_parameters
-from sparrow.models import load_model, resolve_device, resolve_dtype
 from sparrow.rewards.scoring import score_examples
-from sparrow.rollout.factory import ModelSpec, create_backend
 from sparrow.typed_config import to_nested
 
 from .adaptive import start_state
@@ -45,8 +43,7 @@ def _print(message: str) -> None:
 
 def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, object]:
     """Load the model, wrap it for DistillSparse if asked, and build its optimizer and the rollout backend."""
-    model, tokenizer = load_model(config.model.name, resolve_dtype(config.model.dtype),
-                                  resolve_device(config.model.device))
+    model, tokenizer = config.model.load()
     reference = copy.deepcopy(model).requires_grad_(False) if config.grpo.kl_coef > 0 else None  # initial policy
     distiller = None
     if config.distill.enabled:
@@ -55,12 +52,9 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     optimizer = torch.optim.AdamW(base_parameters(model), lr=config.grpo.learning_rate,
                                   weight_decay=config.grpo.weight_decay)
     policy = Policy(model, optimizer, tokenizer.pad_token_id or 0, reference, distiller)
-    rollout = config.rollout
-    spec = ModelSpec(config.model.name, config.model.dtype, config.model.device, config.parsed.sparse,
-                     rollout.max_batch_size, lora=config.distill.lora() if config.distill.enabled else None)
-    backend = create_backend(model, tokenizer, spec, rollout.workers, rollout.ray_address, log=log,
-                             cpus_per_worker=rollout.cpus_per_worker, wire_dtype=rollout.wire_dtype,
-                             backend=rollout.backend)
+    lora = config.distill.lora() if config.distill.enabled else None
+    backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer, log=log, lora=lora,
+                                          wire_dtype=config.rollout.wire_dtype)
     return policy, backend, tokenizer
 
 

@@ -30,6 +30,7 @@ class RolloutBatch:
     top_logprobs: torch.Tensor  # [B, T-1, K]
     kv_budget: torch.Tensor  # [B, T-1]
     positions: torch.Tensor  # [B, T-1] cached length when each generated token was produced
+    temperature: float = 1.0  # that of the rollout log-probs, from the completions' sampling settings
 
     @classmethod
     def from_completions(cls, completions: list[Completion], pad_id: int = 0) -> RolloutBatch:
@@ -58,10 +59,20 @@ class RolloutBatch:
             budget[row, span] = torch.tensor(c.kv_budget)
             positions[row, span] = p + torch.arange(n)
         lengths = torch.tensor([len(c.prompt_token_ids) for c in completions])
-        return cls(ids, lengths, mask, logp, top_ids, top_lp, budget, positions)
+        return cls(ids, lengths, mask, logp, top_ids, top_lp, budget, positions, _temperature(completions))
 
     def to(self, device) -> RolloutBatch:
-        return RolloutBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                               for k, v in self.__dict__.items()})
+
+
+def _temperature(completions: list[Completion]) -> float:
+    """The one temperature of the completions' log-probs (1.0 for completions that do not record theirs)."""
+    found = {c.sampling.logprob_temperature for c in completions if c.sampling is not None}
+    if len(found) > 1:
+        raise SparrowError(f"completions sampled at different temperatures {sorted(found)} cannot share a batch: "
+                           "their log-probs are of different distributions")
+    return found.pop() if found else 1.0
 
 
 def same_prompt(batch: RolloutBatch, a: int, b: int) -> bool:

@@ -157,7 +157,7 @@ class VLLMBackend:
         requests, params, completions = [], [], []
         for i, ids in enumerate(encoded):
             for s in range(num_samples):
-                completions.append(Completion(i, s, ids, keys[i]))
+                completions.append(Completion(i, s, ids, keys[i], sampling=sampling))
                 requests.append({"prompt_token_ids": ids})
                 params.append(VSamplingParams(
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,

@@ -37,7 +37,7 @@ def _close(actual, expected, tol=1e-9):
 def test_registries_list_the_names_a_config_may_use():
     assert tuple(ADVANTAGE_ESTIMATORS) == ("grpo", "dr_grpo", "rloo")
     assert tuple(GROUP_STDS) == ("sample", "population")
-    assert tuple(POLICY_LOSSES) == ("ppo_clip",)
+    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo")
     assert tuple(TIS_MODES) == ("truncate", "mask", "off")
     assert tuple(LOSS_AGGREGATIONS) == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     assert tuple(KL_ESTIMATORS) == ("k1", "k2", "k3")
@@ -315,3 +315,29 @@ def test_accumulated_micro_batches_give_the_whole_batchs_loss(aggregation):
         part, _ = ppo_clip_loss(logp[rows], logp_old[rows], advantages[rows], mask[rows], aggregation=aggregation)
         total = total + part * accumulation_share(mask[rows], tokens, len(rows), 6, aggregation)
     assert float(total) == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_gspo_gives_every_token_the_sequences_geometric_mean_ratio():
+    """Two tokens with log-ratios 0.1 and 0.3: GSPO's ratio is exp(0.2) for both (PPO's: exp(0.1), exp(0.3)), and
+    each token's gradient is that ratio times its own log-prob's (seq-mean-token-mean halves it)."""
+    logp = torch.tensor([[0.1, 0.3, 5.0]], requires_grad=True)
+    old, mask, adv = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1.0])
+    loss, stats = policy_loss("gspo", logp, old, adv, mask, clip_high=10.0, aggregation="seq-mean-token-mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-math.exp(0.2))
+    assert logp.grad.tolist()[0] == pytest.approx([-math.exp(0.2) / 2, -math.exp(0.2) / 2, 0.0])
+    assert stats["ratio_mean"] == pytest.approx(math.exp(0.2))
+    assert stats["approx_kl"] == pytest.approx((0.5 * 0.1**2 + 0.5 * 0.3**2) / 2)
+    ppo, _ = policy_loss("ppo_clip", logp.detach(), old, adv, mask, clip_high=10.0, aggregation="seq-mean-token-mean")
+    assert ppo.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.3)) / 2)
+
+
+def test_gspo_clips_the_whole_sequence_at_once():
+    """A sequence whose mean log-ratio is above log(1 + clip_high) is clipped at every token (zero gradient for a
+    positive advantage), even a token whose own ratio is inside the range."""
+    logp = torch.tensor([[0.0, 0.8]], requires_grad=True)
+    loss, stats = policy_loss("gspo", logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), clip_high=0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.28)
+    assert logp.grad.abs().sum().item() == 0.0
+    assert stats["clip_frac_high"] == 1.0

@@ -1,0 +1,264 @@
+"""The option sections every command composes: the model, its sparse attention, sampling, rollouts, data.
+
+Each section is declared once here, with its defaults, help text and validation; a command's config holds the
+sections it needs as fields (`section(SamplingSection, max_new_tokens=128)` sets that command's own default) and
+adds its own options. The CLI flags and YAML keys are derived from the sections (sparrow/typed_config.py), and
+`validate()` leaves the parsed values (SparseConfig, Schedule, reward functions) on the section, so nothing is
+parsed twice.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparrow.attention import SparseConfig
+from sparrow.attention.landmarks import LANDMARKS
+from sparrow.engine import SamplingParams
+from sparrow.errors import SparrowError
+from sparrow.lora import LoraSpec, check_adapter_dir, load_adapter
+from sparrow.models import resolve_device, resolve_dtype
+from sparrow.rewards import load_reward
+from sparrow.rewards.sandbox import require_sandbox
+from sparrow.rollout.factory import check_backend, create_backend
+from sparrow.rollout.model_spec import ModelSpec, check_rollout_workers
+from sparrow.schedules import Schedule, parse_schedule
+from sparrow.typed_config import check_finite, check_int, option
+
+SCHEDULE_HELP = "dense, const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON schedule file"
+
+
+def _parsed(default=None):
+    """A value `validate()` derives and keeps (no option, no flag, not compared)."""
+    return field(default=default, init=False, repr=False, compare=False)
+
+
+def require_file(path: str | None, what: str) -> Path:
+    """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
+    if path is None:
+        raise SparrowError(f"give the {what}")
+    found = Path(path)
+    if not found.exists():
+        raise SparrowError(f"{what} {path!r} does not exist")
+    if not found.is_file():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file" if found.is_dir()
+                           else f"{what} {path!r} is not a regular file")
+    return found
+
+
+def check_output(path: str, what: str, directory: bool) -> None:
+    """Refuse, before any work, an output that cannot be made: an existing file where a directory goes (or an
+    existing directory where a file goes), a path under an existing file, or one whose nearest existing directory
+    this process cannot write in."""
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise SparrowError(f"{what} {path!r} is an existing file; expected a directory (existing or new)")
+    if not directory and target.is_dir():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file name")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SparrowError(f"{what} {path!r} lies under {str(parent)!r}, which is a file, not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise SparrowError(f"{what} {path!r} cannot be written: directory {str(parent)!r} is not writable "
+                                   "(read-only or no permission); expected a path in a writable directory")
+            return
+
+
+@dataclass
+class ModelSection:
+    """The model and where it runs."""
+
+    name: str = option("smollm2-135m", "smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, a .gguf file or a local "
+                       "Hugging Face model directory", flag="model")
+    dtype: str = option("float32", "float32, bfloat16 or float16")
+    device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+
+    def validate(self) -> None:
+        resolve_dtype(self.dtype)
+        resolve_device(self.device)
+
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def load(self):
+        """(model, tokenizer) on the chosen device and dtype."""
+        from sparrow.models import load_model
+
+        return load_model(self.name, dtype=resolve_dtype(self.dtype), device=self.torch_device())
+
+
+@dataclass
+class AdaptedModelSection(ModelSection):
+    """A model that may carry a trained LoRA adapter (e.g. checkpoint-N/adapter of a DistillSparse run)."""
+
+    adapter: str | None = option(None, "peft LoRA adapter directory loaded onto the model (e.g. checkpoint-N/adapter "
+                                 "of a DistillSparse run); profile measures the actor with it against the dense "
+                                 "model without it")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.adapter is not None:
+            check_adapter_dir(self.adapter)
+
+    def load(self):
+        model, tokenizer = super().load()
+        return (model if self.adapter is None else load_adapter(model, self.adapter)), tokenizer
+
+
+@dataclass
+class SparseSection:
+    """The block-sparse attention rule (schedules aside)."""
+
+    page_size: int = option(16, "tokens per KV page")
+    landmark: str = option("centroid", "page landmark: " + " or ".join(LANDMARKS))
+    dense_layers: str = option("0,1", "comma-separated layer indices that always attend densely")
+    parsed: SparseConfig | None = _parsed()
+
+    def validate(self) -> None:
+        self.parsed = SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
+
+    def config(self) -> SparseConfig:
+        if self.parsed is None:
+            self.validate()
+        return self.parsed
+
+    def parse(self, spec: str) -> Schedule:
+        """A schedule spec under this rule (the one parser of every command's schedules)."""
+        sparse = self.config()
+        return parse_schedule(spec, sparse.page_size, sparse.always_kept_pages)
+
+
+@dataclass
+class ScheduledSparseSection(SparseSection):
+    """The sparse rule and the schedule rollouts decode with."""
+
+    schedule: str = option("dense", SCHEDULE_HELP)
+    parsed_schedule: Schedule | None = _parsed()
+
+    def validate(self) -> None:
+        super().validate()
+        self.parsed_schedule = self.parse(self.schedule)
+
+
+@dataclass
+class SamplingSection:
+    """How completions are sampled (the log-probs are after temperature, before top-k/top-p)."""
+
+    max_new_tokens: int = option(256, "most tokens generated per completion")
+    temperature: float = option(1.0, "sampling temperature; 0 = greedy")
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
+    top_k: int = option(0, "keep the k most likely tokens; 0 = off")
+
+    def validate(self) -> None:
+        self.params(seed=0)
+
+    def params(self, seed: int, **extra) -> SamplingParams:
+        """The engine's SamplingParams (validated there) with `seed` and any command-specific `extra` fields."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=seed, **extra)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # stdout may be a command's --json output
+
+
+@dataclass
+class RolloutSection:
+    """Where rollouts run: in this process (the default), or on `rollout_workers` Ray workers (a local Ray
+    started and stopped by the command, or the cluster at `ray_address`)."""
+
+    backend: str = option("native", "rollout backend: native (our engine) or vllm (stock vLLM with Sparrow's plugin; "
+                          "pip install 'sparrow-rl[vllm]')")
+    workers: int = option(0, "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
+                          flag="rollout_workers")
+    ray_address: str | None = option(None, "attach to a Ray cluster (started with `ray start --head`; `auto` on its "
+                                     "head node) instead of starting a local one")
+    cpus_per_worker: int | None = option(None, "CPUs and torch threads of each Ray worker (default: the free CPUs "
+                                         "divided by the workers)")
+    max_batch_size: int = option(64, "most sequences decoded together by a rollout engine")
+
+    def validate(self, device: str) -> None:
+        """`device`: the model section's, which decides whether local Ray workers need GPUs."""
+        check_rollout_workers(self.workers, self.ray_address, device)
+        if self.cpus_per_worker is not None:
+            check_int("cpus_per_worker", self.cpus_per_worker, 1)
+        check_backend(self.backend, self.workers, self.ray_address)
+        check_int("max_batch_size", self.max_batch_size, 1)
+
+    def make_backend(self, model_section: ModelSection, sparse: SparseSection, model, tokenizer, *, log=_to_stderr,
+                     lora: LoraSpec | None = None, wire_dtype: str | None = None):
+        """The rollout backend for `model` (see sparrow.rollout.factory); `lora`: the shape of the DistillSparse
+        adapter the policy carries, `wire_dtype`: of the weights sent to Ray workers."""
+        spec = ModelSpec(model_section.name, model_section.dtype, model_section.device, sparse.config(),
+                         self.max_batch_size, lora=lora, adapter=getattr(model_section, "adapter", None))
+        return create_backend(model, tokenizer, spec, self.workers, self.ray_address, log=log,
+                              cpus_per_worker=self.cpus_per_worker, wire_dtype=wire_dtype, backend=self.backend)
+
+
+@dataclass
+class RewardSection:
+    """The reward functions that score completions (the one scoring path of train, eval and profile)."""
+
+    reward: list[str] | None = option(None, "reward function(s): math, first_number, number_f1, code, or "
+                                      "module:function / file.py:function")
+    reward_weights: list[float] | None = option(None, "weight of each --reward, in order")
+    unsafe_code_reward: bool = option(False, "let the code reward run without a sandbox where none is available "
+                                      "(dangerous)")
+    parsed: list | None = _parsed()
+
+    def validate(self, default: tuple[str, ...] = ("math",)) -> None:
+        """`default`: the rewards when none is given (empty: no scoring)."""
+        names = self.reward or list(default)
+        weights = self.reward_weights or [1.0] * len(names)
+        if len(weights) != len(names):
+            raise SparrowError(f"{len(names)} reward(s) but {len(weights)} reward_weights; give one weight each")
+        for w in weights:
+            check_finite("reward weight", w)
+        if "code" in names:
+            require_sandbox(allow_unsafe=self.unsafe_code_reward)
+        self.parsed = [(name, load_reward(name), float(w)) for name, w in zip(names, weights)]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.parsed or []]
+
+
+ANSWER_REWARDS = ("math", "first_number", "number_f1")  # rewards that compare with each row's reference answer
+
+
+@dataclass
+class DataSection(RewardSection):
+    """A prompt set and the rewards that score its completions."""
+
+    path: str | None = option(None, "prompt set: .jsonl or .parquet (verl layout detected)", flag="data")
+    prompt_field: str = option("prompt", "the prompt's field in each row (text or chat messages)")
+    answer_field: str = option("answer", "the reference answer's field in each row")
+
+    def validate(self) -> None:
+        if self.path is None:
+            raise SparrowError("give the prompt data: --data FILE.jsonl|.parquet")
+        require_file(self.path, "data file")
+        super().validate()
+
+    def check_answers(self, *sources: tuple[str, str | None]) -> None:
+        """Rewards that compare with a reference answer need one in every row of each (name, path) of `sources`
+        (this section's own file among them), checked on the data before any model loads."""
+        needs = [name for name in self.names if name in ANSWER_REWARDS]
+        if not needs:
+            return
+        from sparrow.datasets import DataSpec, load_examples
+
+        for name, path in sources:
+            if path is None:
+                continue
+            examples = load_examples(DataSpec(path, self.prompt_field, self.answer_field))
+            missing = [i for i, ex in enumerate(examples) if ex.answer in (None, "")]
+            if missing:
+                raise SparrowError(f"reward {needs[0]!r} compares with each row's {self.answer_field!r}, but "
+                                   f"{len(missing)} row(s) of {name} {path!r} have none (first: row {missing[0]}); "
+                                   "give --answer-field or another --reward")
