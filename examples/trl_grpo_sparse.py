@@ -1,22 +1,18 @@
-"""GRPO with TRL's GRPOTrainer whose vLLM rollouts decode with Sparrow's block-sparse attention (CPU, colocated).
+"""GRPO with TRL on SmolLM2: sparse vLLM rollouts under Sparrow's adaptive schedule, with its exact tail monitor.
 
-TRL builds `LLM(...)` itself, so Sparrow's vLLM plugin is configured by environment variables only: this script sets
-SPARROW_VLLM_SCHEDULE (from --schedule) and vLLM's CPU variables before vLLM or TRL is imported. The rollouts are
-then sparse, the policy's log-probs dense (TRL recomputes them with the training model), and TRL's own importance
-sampling correction (`vllm_importance_sampling_correction`, token-level truncation at --tis-cap, Sparrow's TIS)
-corrects for the mismatch. The task is Sparrow's passkey task, one prompt a step, scored by --reward (default
-`first_number`; any `sparrow train --reward` spec that scores text, e.g. examples/toy_reward.py:byte_mean).
+`SparrowGRPOTrainer` (sparrow/integrations/trl.py, docs/trl.md) is TRL's GRPOTrainer with Sparrow switched on: the
+rollouts decode with block-sparse attention inside vLLM (colocated, CPU here), TRL's own importance sampling
+correction stays on (token-level truncation at --tis-cap), and every step logs the exact acceptance tail per
+length bin with `sparrow train`'s warnings. With `--schedule adaptive` (the default) each bin's budget moves to the
+cheapest rung whose 5th percentile holds --tau; the plugin follows the schedule file the trainer rewrites, from the
+next engine step. The task is Sparrow's passkey task, one prompt a step, scored by --reward (default
+`first_number`; any `sparrow train --reward` spec that scores text).
 
-Two adaptations of TRL's colocated vLLM to vLLM's CPU backend (`adapt_trl_to_vllm_cpu`): the engine runs in
-float32 and eager mode (vLLM downcasts float32 models to bfloat16 on CPU, and Sparrow's fast CPU kernel is float32),
-and the weight sync goes through vLLM's `reload_weights` (on CPU vLLM repacks linear weights, so TRL's in-place
-`load_weights` fails).
+    .venv/bin/python examples/trl_grpo_sparse.py --steps 10              # SmolLM2-135M, adaptive from dense
+    .venv/bin/python examples/trl_grpo_sparse.py --schedule 0:512,3584:1024   # the calibrated schedule, fixed
 
-    .venv/bin/python examples/trl_grpo_sparse.py --steps 2                  # SmolLM2-135M, calibrated schedule
-    .venv/bin/python examples/trl_grpo_sparse.py --model DIR --schedule const:64 --prompt-tokens 256
-
-It prints the plugin's configuration, the number of sparse decode calls (one per sparse layer and decode step
-batch) and TRL's logged metrics, one JSON object per line after "SPARROW_TRL".
+It prints TRL's logged metrics, Sparrow's warnings and the number of sparse decode calls (one per sparse layer and
+decode step batch), one JSON object per line after "SPARROW_TRL".
 """
 
 from __future__ import annotations
@@ -28,75 +24,70 @@ import sys
 
 from sparrow.errors import SparrowError
 
-CALIBRATED_SMOLLM2 = "0:512,3584:1024"  # examples/smollm2-passkey.yaml, BENCHMARKS.md
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m",
                         help="a local Hugging Face model directory (default: SmolLM2-135M's converted directory)")
-    parser.add_argument("--schedule", default=CALIBRATED_SMOLLM2, help="Sparrow schedule spec for the rollouts")
-    parser.add_argument("--steps", type=int, default=2, help="GRPO steps")
+    parser.add_argument("--schedule", default="adaptive", help="Sparrow schedule spec, or `adaptive`")
+    parser.add_argument("--tau", type=float, default=0.86, help="threshold of each length bin's p5 of acceptance")
+    parser.add_argument("--bin-size", type=int, default=2000, help="length bins of the monitor, in tokens")
+    parser.add_argument("--adaptive-start", default="dense", help="the adaptive schedule's first budgets")
+    parser.add_argument("--adaptive-min-tokens", type=int, default=200, help="tokens a bin needs to move")
+    parser.add_argument("--adaptive-patience", type=int, default=2, help="steps of evidence before a move")
+    parser.add_argument("--steps", type=int, default=10, help="GRPO steps")
     parser.add_argument("--output-dir", default="runs/trl-grpo-sparse")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="minimum passkey prompt length in tokens")
-    parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt (one prompt a step)")
-    parser.add_argument("--max-completion-length", type=int, default=24)
+    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (one prompt a step)")
+    parser.add_argument("--max-completion-length", type=int, default=48)
     parser.add_argument("--reward", default="first_number", help="a reward spec as `sparrow train --reward` takes")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--tis-cap", type=float, default=2.0, help="upper bound of TRL's per-token IS ratio")
     return parser.parse_args(argv)
 
 
-def configure_environment(schedule: str) -> None:
-    """Sparrow's plugin and vLLM on CPU in this process; must run before vLLM is imported."""
-    os.environ["SPARROW_VLLM_SCHEDULE"] = schedule
+def configure_vllm_cpu() -> None:
+    """vLLM's CPU engine in this process; must run before vLLM is imported (Sparrow's own variables are set by
+    the trainer)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where we count calls
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))  # the cores this process may use, not all
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # RANK, WORLD_SIZE, MASTER_ADDR/PORT for vLLM's external launcher: TRL's colocate mode sets them itself
 
 
 def count_sparse_decodes() -> dict:
-    """Counts calls of the plugin's sparse decode (each: the sparse requests of one layer in one decode step)."""
+    """Counts calls of the plugin's sparse decode (each: the sparse requests of one layer in one decode step) and
+    the requests they decode, in total and per training step (`per_step`, filled by `StepCounts`)."""
     from sparrow.vllm.cpu_attention import SparrowCPUAttentionImpl
 
-    counts = {"calls": 0, "requests": 0}
+    counts = {"calls": 0, "requests": 0, "per_step": []}
     original = SparrowCPUAttentionImpl._sparse_decode
 
-    def counted(self, queries, kv_cache, plan, sparse):
+    def counted(self, queries, *args, **kwargs):
         counts["calls"] += 1
-        counts["requests"] += int(plan.tokens.numel())
-        return original(self, queries, kv_cache, plan, sparse)
+        counts["requests"] += int(queries.shape[0])
+        return original(self, queries, *args, **kwargs)
 
     SparrowCPUAttentionImpl._sparse_decode = counted
     return counts
 
 
-def adapt_trl_to_vllm_cpu() -> None:
-    """Make TRL's colocated vLLM engine run on vLLM's CPU backend (see the module docstring)."""
-    import functools
+def step_counts(counts: dict):
+    """A TrainerCallback appending each step's sparse decode calls and requests to counts["per_step"]."""
+    from transformers import TrainerCallback
 
-    import vllm
-    from trl.generation import vllm_generation
+    class StepCounts(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            done = [sum(step[k] for step in counts["per_step"]) for k in ("calls", "requests")]
+            counts["per_step"].append({"calls": counts["calls"] - done[0], "requests": counts["requests"] - done[1]})
 
-    vllm_generation.LLM = functools.partial(vllm.LLM, dtype="float32", enforce_eager=True)
-
-    def sync_weights(self) -> None:
-        weights = ((name, param.float()) for name, param in self._iter_named_params())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
-
-    vllm_generation.VLLMGeneration.sync_weights = sync_weights
-
-
-def completion_texts(completions) -> list[str]:
-    """TRL passes conversational completions as message lists; Sparrow's rewards take text."""
-    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return StepCounts()
 
 
 def text_reward(spec: str):
-    """Sparrow's reward `spec` (TRL's contract already) called with the completions' text."""
+    """Sparrow's reward `spec` (TRL's contract already) called with the completions' text (TRL passes
+    conversational completions as message lists)."""
     import functools
 
     from sparrow.rewards import load_reward
@@ -105,7 +96,8 @@ def text_reward(spec: str):
 
     @functools.wraps(reward)
     def on_text(prompts, completions, **columns):
-        return reward(prompts, completion_texts(completions), **columns)
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return reward(prompts, texts, **columns)
 
     return on_text
 
@@ -116,7 +108,7 @@ def report(tag: str, value) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    configure_environment(args.schedule)
+    configure_vllm_cpu()
     try:
         run(args)
     except SparrowError as err:
@@ -125,16 +117,19 @@ def main(argv=None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from sparrow.vllm import config as plugin_config
+    from sparrow.integrations.config import SparrowConfig
 
-    plugin_config.from_environment()  # a bad SPARROW_VLLM_* value stops here with one message, before vLLM starts
+    sparrow = SparrowConfig(schedule=args.schedule, tau=args.tau, bin_size=args.bin_size,
+                            adaptive_start=args.adaptive_start, adaptive_min_tokens=args.adaptive_min_tokens,
+                            adaptive_patience=args.adaptive_patience)
     if args.steps < 1:
         raise SparrowError(f"--steps {args.steps}: expected at least 1")
 
     import datasets
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
+    from sparrow.integrations.trl import SparrowGRPOTrainer
     from sparrow.rollout.vllm_backend import model_directory
     from sparrow.tasks.fitting import prompt_length
     from sparrow.tasks.passkey import make_prompts
@@ -144,8 +139,6 @@ def run(args: argparse.Namespace) -> None:
     rows = make_prompts(args.steps, args.prompt_tokens, seed=0, tokenizer=tokenizer)
     longest = max(prompt_length(tokenizer, row["prompt"]) for row in rows)
     counts = count_sparse_decodes()
-    adapt_trl_to_vllm_cpu()
-
     config = GRPOConfig(
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.learning_rate, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
@@ -154,16 +147,16 @@ def run(args: argparse.Namespace) -> None:
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=longest + args.max_completion_length,
         vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=args.tis_cap)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=text_reward(args.reward), args=config,
-                          train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
-    active = plugin_config.active()
-    report("plugin", None if active is None else {"schedule": args.schedule, "bins": list(zip(
-        active.schedule.starts, active.schedule.budgets)), "landmark": active.sparse.landmark,
-        "dense_layers": list(active.sparse.dense_layers), "page_size": active.sparse.page_size})
+    trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=text_reward(args.reward), args=config,
+                                 train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                                 callbacks=[step_counts(counts)], sparrow_config=sparrow)
     report("prompt_tokens", {"min": args.prompt_tokens, "longest": longest})
+    report("schedule_file", str(trainer.sparrow_schedule.path))
     trainer.train()
     for row in trainer.state.log_history:
         report("log", row)
+    for step, message in trainer.sparrow_warnings:
+        report("warning", {"step": step, "message": message})
     report("sparse_decode", counts)
 
 

@@ -17,10 +17,11 @@ LAYERS = [
     ["sparrow.errors", "sparrow.io", "sparrow.typed_config"],
     ["sparrow.schedules", "sparrow.attention", "sparrow.lora", "sparrow.models", "sparrow.model_shapes"],
     ["sparrow.engine", "sparrow.datasets", "sparrow.rewards", "sparrow.tasks"],
-    ["sparrow.rollout", "sparrow.vllm"],
+    ["sparrow.rollout", "sparrow.vllm", "sparrow.options"],
     ["sparrow.measure", "sparrow.evaluation"],
     ["sparrow.rl"],
     ["sparrow.cli", "sparrow.bench"],
+    ["sparrow.integrations"],
 ]
 
 

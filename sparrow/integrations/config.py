@@ -1,0 +1,80 @@
+"""`SparrowConfig`: what Sparrow adds to a TRL run, in TRL's naming style (flat, snake_case, validated once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparrow.attention import SparseConfig
+from sparrow.errors import SparrowError
+from sparrow.rl.config import AdaptiveSection, MonitorSection
+from sparrow.schedules import Schedule, parse_schedule
+from sparrow.typed_config import check_finite, check_int
+
+ADAPTIVE = "adaptive"
+
+
+@dataclass
+class SparrowConfig:
+    """Sparse rollouts and their monitor for `SparrowGRPOTrainer`.
+
+    schedule: the rollouts' KV budget schedule: a spec (`const:256`, `0:512,3584:1024`), a published preset, a
+      calibrated schedule file (`sparrow calibrate`), `dense`, or `adaptive` (budgets per length bin move to the
+      cheapest rung whose exact p5 holds tau, from `adaptive_start`; sparrow/rl/adaptive.py).
+    tau, bin_size: the stability threshold of each length bin's 5th percentile of acceptance, and the bins.
+    monitor_share, monitor_every: the share of each process's rollouts (whole prompt groups first) teacher-forced
+      for the exact tail, on every `monitor_every`-th generation batch.
+    schedule_file: the file the vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@schedule_file`); default
+      `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.
+    landmark, dense_layers, page_size: the sparse attention, as `sparrow train`'s options.
+    """
+
+    schedule: str = ADAPTIVE
+    tau: float = 0.86
+    bin_size: int = 2000
+    monitor_share: float = 1.0
+    monitor_every: int = 1
+    schedule_file: str | None = None
+    landmark: str = "centroid"
+    dense_layers: str = "0,1"
+    page_size: int = 16
+    adaptive_start: str = "dense"
+    adaptive_margin: float = 0.02
+    adaptive_patience: int = 2
+    adaptive_min_tokens: int = 200
+
+    def __post_init__(self) -> None:
+        self.monitor.validate()
+        self.adaptive.validate()
+        if not isinstance(self.schedule, str) or not self.schedule.strip():
+            raise SparrowError(f"schedule {self.schedule!r}: expected a schedule spec, preset, file or 'adaptive'")
+        self.start_schedule()  # a bad spec stops here, before TRL builds anything
+
+    @property
+    def sparse(self) -> SparseConfig:
+        check_int("page_size", self.page_size, 1)
+        return SparseConfig.from_options(self.page_size, self.landmark, self.dense_layers)
+
+    @property
+    def monitor(self) -> MonitorSection:
+        check_finite("monitor_share", self.monitor_share, 0, 1, low_open=True)
+        return MonitorSection(tau=self.tau, bin_size=self.bin_size, monitor="exact",
+                              monitor_every=self.monitor_every, monitor_share=self.monitor_share)
+
+    @property
+    def adaptive(self) -> AdaptiveSection:
+        return AdaptiveSection(start=self.adaptive_start, margin=self.adaptive_margin,
+                               patience=self.adaptive_patience, min_tokens=self.adaptive_min_tokens)
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.schedule.strip() == ADAPTIVE
+
+    def start_schedule(self) -> Schedule:
+        """The fixed schedule, or the adaptive one's start, parsed for this sparse configuration."""
+        sparse = self.sparse
+        spec = self.adaptive_start if self.is_adaptive else self.schedule
+        name = "adaptive_start" if self.is_adaptive else "schedule"
+        try:
+            return parse_schedule(spec, sparse.page_size, sparse.always_kept_pages)
+        except SparrowError as err:
+            raise SparrowError(f"SparrowConfig.{name}: {err}") from None
