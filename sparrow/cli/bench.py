@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,10 @@ class BenchConfig:
     hf: bool = option(True, "also time transformers' generate (dense SDPA) from the same prefill")
     seed: int = option(0, "seed of the random prompts")
     json: bool = option(False, "print one JSON object with the results")
-    backend: str = option("native", "vllm: after our engine's numbers, stock vLLM (in a child process) and vLLM with "
-                          "Sparrow's plugin, dense and sparse, on distinct prompts")
+    backend: str = option("native", "vllm: after our engine's numbers, vLLM with Sparrow's plugin, dense and sparse "
+                          "(one engine), on distinct prompts")
+    stock: bool = option(False, "with --backend vllm: also time stock vLLM (a child process without the plugin), for "
+                         "the plugin's dense overhead")
 
     def validate(self) -> None:
         self.model.validate()
@@ -43,6 +46,8 @@ class BenchConfig:
         check_int("warmup", self.warmup, 0)
         check_int("seed", self.seed, 0)
         check_backend(self.backend, 0, None)
+        if self.stock and self.backend != "vllm":
+            raise SparrowError("--stock times stock vLLM beside the plugin: it needs --backend vllm")
         if self.backend == "vllm" and self.steps < 2:
             raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
         if self.sparse.parsed_schedule.is_dense:
@@ -55,8 +60,8 @@ class BenchConfig:
 
 def run(args) -> int:
     config = load_config(BenchConfig, args)
-    log = (lambda *_: None) if config.json else print
-    stock = _stock_vllm(config, log) if config.backend == "vllm" else None  # before this process does any work
+    log = (lambda *_: None) if config.json else _progress()
+    stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
     result = run_benchmark(engine, config.sparse.parsed_schedule, config.context, config.batch, config.steps,
@@ -73,9 +78,20 @@ def run(args) -> int:
         print(f"   dense / transformers generate: {result.dense_over_hf:.2f}x" if result.hf_tokens_per_s else "")
         if config.backend == "vllm":
             v = record["vllm"]
-            print(f"vLLM sparse / vLLM dense: {v['sparse_over_dense']:.2f}x   vLLM dense (plugin) / stock vLLM: "
-                  f"{v['dense_over_stock']:.2f}x")
+            print(f"vLLM sparse / vLLM dense: {v['sparse_over_dense']:.2f}x", end="")
+            print(f"   vLLM dense (plugin) / stock vLLM: {v['dense_over_stock']:.2f}x" if stock else "")
     return 0
+
+
+def _progress():
+    """A log that prefixes each line with the minutes and seconds since the benchmark started."""
+    start = time.perf_counter()
+
+    def log(message: str) -> None:
+        elapsed = int(time.perf_counter() - start)
+        print(f"[{elapsed // 60:2d}:{elapsed % 60:02d}] {message}", flush=True)
+
+    return log
 
 
 def _vllm_setup(config: BenchConfig):
@@ -139,7 +155,8 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
     return {"stock_dense_tokens_per_s": stock, "dense_tokens_per_s": result.dense_tokens_per_s,
             "sparse_tokens_per_s": result.sparse_tokens_per_s,
             "sparse_over_dense": result.sparse_tokens_per_s / result.dense_tokens_per_s,
-            "dense_over_stock": result.dense_tokens_per_s / stock, "prefill_s": result.prefill_s}
+            "dense_over_stock": None if stock is None else result.dense_tokens_per_s / stock,
+            "prefill_s": result.prefill_s}
 
 
 def add_parser(sub) -> None:
