@@ -1,14 +1,20 @@
-"""The vLLM plugin's GPU path on a lent CUDA machine, in one run of under three minutes; installs nothing.
+"""The vLLM plugin's GPU path on a lent CUDA machine, in one run of under eight minutes; installs nothing.
 
-(a) the Triton kernel (sparrow/vllm/triton_decode.py) on CUDA against its PyTorch reference, float32 and bfloat16,
-    and the whole sparse step against paged.reference_decode, plus one timing of kernel vs reference;
-(b) if vLLM with CUDA imports: a tiny random Llama (head_dim 64) through vLLM with Sparrow's CUDA backend under
-    const:64, against our teacher-forced sparse forward (`sparse_completion_logits`), greedy and sampled.
+(a) the Triton kernel (sparrow/vllm/triton_decode.py) against its PyTorch reference, float32 and bfloat16, and the
+    whole sparse step against paged.reference_decode, plus one timing of kernel vs reference;
+(b) the fixed-shape decode path (graph_decode.py) captured in a CUDA graph, replayed on new inputs, against the
+    eager path;
+(c) the step plan's time (plan.py) at batch 256 / 32K cached tokens on CUDA tensors;
+(d) if vLLM with CUDA imports: a tiny random Llama (head_dim 64) through vLLM with Sparrow's CUDA backend under
+    const:64, against our teacher-forced sparse forward (`sparse_completion_logits`), greedy and sampled;
+(e) decode tokens/s of a small random Llama at 8K cached / batch 8 with the plugin dense and sparse, with and
+    without CUDA graphs (scripts/vllm_decode_throughput.py, one process each).
 Each step is guarded: a failure is recorded with its traceback and the rest still runs. Prints one JSON summary
 and writes it to $OUT/device_check.json (or --out). Exit status 1 if any check fails or errors. Run from the
 repository root with whatever python has torch:
 
-    python scripts/vllm_device_check.py
+    python scripts/vllm_device_check.py            # on the GPU machine
+    python scripts/vllm_device_check.py --dry-run  # on CPU: (a), (b) uncaptured and (c) under Triton's interpreter
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_plan
 
 SUMMARY: dict = {"environment": {}, "steps": {}}
+DEVICE = "cuda"  # "cpu" with --dry-run (Triton's interpreter)
+GRID = {"dtypes": ("float32", "bfloat16"), "groups": (1, 4, 8), "dims": (64, 128), "blocks": (16, 32)}
+DRY_GRID = {"dtypes": ("float32",), "groups": (4,), "dims": (64,), "blocks": (32,)}
 
 
 def run_step(name: str, fn) -> None:
@@ -74,18 +84,18 @@ def batch(lengths, kv_heads, group, dim, block, dtype, landmark="centroid", seed
         table[r, : need[r]] = order[sum(need[:r]):sum(need[: r + 1])]
         tokens = torch.arange(n)
         slots.append(table[r, tokens // block].long() * block + tokens % block)
-    slots = torch.cat(slots).cuda()
-    kv = torch.full((num_blocks, block, kv_heads, 2 * dim), 50.0, dtype=dtype, device="cuda").transpose(1, 2)
+    slots = torch.cat(slots).to(DEVICE)
+    kv = torch.full((num_blocks, block, kv_heads, 2 * dim), 50.0, dtype=dtype, device=DEVICE).transpose(1, 2)
     key_cache, value_cache = kv.transpose(1, 2).split(dim, dim=-1)
-    key_cache[slots // block, slots % block] = torch.randn(slots.numel(), kv_heads, dim, device="cuda").to(dtype)
-    value_cache[slots // block, slots % block] = torch.randn(slots.numel(), kv_heads, dim, device="cuda").to(dtype)
+    key_cache[slots // block, slots % block] = torch.randn(slots.numel(), kv_heads, dim, device=DEVICE).to(dtype)
+    value_cache[slots // block, slots % block] = torch.randn(slots.numel(), kv_heads, dim, device=DEVICE).to(dtype)
     sparse = SparseConfig(landmark=landmark)
-    marks = PageLandmarks(sparse, num_blocks * block // 16, kv_heads, dim, dtype, "cuda")
+    marks = PageLandmarks(sparse, num_blocks * block // 16, kv_heads, dim, dtype, DEVICE)
     pages = filled_pages(slots, 16)
     marks.update(pages, page_reader(key_cache, value_cache, 16)(pages)[0])
-    seq = torch.tensor(lengths, device="cuda")
-    page_table = physical_pages(table.cuda(), int(max(need) * block // 16), block, 16)
-    queries = torch.randn(len(lengths), kv_heads, group, dim, device="cuda").to(dtype)
+    seq = torch.tensor(lengths, device=DEVICE)
+    page_table = physical_pages(table.to(DEVICE), int(max(need) * block // 16), block, 16)
+    queries = torch.randn(len(lengths), kv_heads, group, dim, device=DEVICE).to(dtype)
     return {"queries": queries, "key_cache": key_cache, "value_cache": value_cache, "page_table": page_table,
             "landmarks": marks, "seq_lens": seq, "sparse": sparse, "scale": dim ** -0.5}
 
@@ -99,7 +109,7 @@ def kernel_vs_reference():
     from sparrow.vllm.paged import reference_decode
     from sparrow.vllm.triton_decode import page_reader, paged_sparse_attention, reference_paged_attention, sparse_decode
 
-    limits = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+    limits = {getattr(torch, d): {"float32": 1e-5, "bfloat16": 2e-2}[d] for d in GRID["dtypes"]}
     worst, seen = {}, []
 
     def attend(*args):
@@ -107,12 +117,12 @@ def kernel_vs_reference():
         return paged_sparse_attention(*args)
 
     for dtype in limits:
-        for group in (1, 4, 8):
-            for dim in (64, 128):
-                for block in (16, 32):
+        for group in GRID["groups"]:
+            for dim in GRID["dims"]:
+                for block in GRID["blocks"]:
                     for landmark in ("centroid", "quest"):
                         b = batch([1000, 37, 2500, 301], 2, group, dim, block, dtype, landmark, seed=group + dim)
-                        budget = torch.tensor([6, 6, 64, 6], device="cuda")
+                        budget = torch.tensor([6, 6, 64, 6], device=DEVICE)
                         out = sparse_decode(b["queries"], b["key_cache"], b["value_cache"], b["page_table"],
                                             b["landmarks"], b["seq_lens"], budget, b["sparse"], b["scale"],
                                             attend=attend).float()
@@ -138,8 +148,8 @@ def kernel_timing():
     from sparrow.vllm.triton_decode import paged_sparse_attention, reference_paged_attention
 
     b = batch([32768] * 16, 8, 4, 128, 16, torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    pages = torch.rand(16, 8, 2048, generator=gen, device="cuda").topk(64, dim=-1).indices
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    pages = torch.rand(16, 8, 2048, generator=gen, device=DEVICE).topk(64, dim=-1).indices
     args = (b["queries"], b["key_cache"], b["value_cache"], b["page_table"], pages, b["seq_lens"], 16, b["scale"])
 
     def ms(fn):
@@ -156,21 +166,120 @@ def kernel_timing():
     return {"kernel_ms": round(ms(paged_sparse_attention), 4), "reference_ms": round(ms(reference_paged_attention), 4)}
 
 
-def tiny_llama(path: str) -> str:
+def tiny_llama(path: str, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+               positions: int = 4096) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from sparrow.models import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=4096,
-                         tie_word_embeddings=False, initializer_range=0.1, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
+                         intermediate_size=2 * hidden, max_position_embeddings=positions, tie_word_embeddings=False,
+                         initializer_range=0.1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
     torch.manual_seed(11)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def graph_capture_vs_eager():
+    """graph_decode.graph_sparse_decode captured once in a CUDA graph (on CPU: run, not captured), then replayed
+    after new queries and budgets are written into its inputs: equal to the eager sparse_decode on every request of
+    budget > 0 (float32, centroid and quest)."""
+    import torch
+
+    from sparrow.vllm.graph_decode import graph_sparse_decode
+    from sparrow.vllm.triton_decode import sparse_decode
+
+    worst = 0.0
+    for landmark in ("centroid", "quest"):
+        b = batch([1000, 37, 2500, 301], 2, 4, 64, 32, torch.float32, landmark)
+        table = b["page_table"][:, ::2].div(2, rounding_mode="floor").to(torch.int32)  # the block table
+        budget = torch.tensor([6, 0, 8, 6], device=DEVICE, dtype=torch.int32)
+        args = (b["queries"], b["key_cache"], b["value_cache"], table, b["landmarks"], b["seq_lens"], budget,
+                b["sparse"], b["scale"], 8)
+
+        def run(args=args):
+            return graph_sparse_decode(*args)
+
+        if DEVICE == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run()
+            b["queries"].copy_(torch.randn_like(b["queries"]))
+            budget.copy_(torch.tensor([8, 5, 0, 4], dtype=torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            out = run()
+        eager = sparse_decode(b["queries"], b["key_cache"], b["value_cache"], b["page_table"], b["landmarks"],
+                              b["seq_lens"], budget.clamp(min=1), b["sparse"], b["scale"])
+        rows = budget > 0
+        worst = max(worst, float((out[rows] - eager[rows]).abs().max()))
+    if worst > 1e-5:
+        raise AssertionError(f"the replayed graph path differs from the eager path by {worst}")
+    return {"max_abs_diff": worst, "captured": DEVICE == "cuda"}
+
+
+def plan_time():
+    """plan.plan_step at batch 256 (+ one prefill chunk) / 32K cached tokens, block 16, the device tensors on
+    DEVICE: median host milliseconds per step (the device work is queued, not waited for)."""
+    import statistics
+
+    import torch
+    from bench_plan import SCHEDULE, step_metadata
+
+    from sparrow.schedules import parse_schedule
+    from sparrow.vllm.plan import plan_step
+
+    schedule = parse_schedule(SCHEDULE)
+    cm = step_metadata(256, 32768, 16)
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+        setattr(cm, name, getattr(cm, name).to(DEVICE))
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        plan_step(cm, schedule, 16, 16)
+        times.append(time.perf_counter() - start)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return {"median_ms": round(statistics.median(times[5:]) * 1e3, 4)}
+
+
+def decode_throughput():
+    """Decode tokens/s at 8K cached / batch 8 on a small random Llama (8 layers, 16 heads, 8 KV heads of 64), the
+    plugin dense and at const:1024, each with and without CUDA graphs, one process each."""
+    import subprocess
+
+    path = tiny_llama(tempfile.mkdtemp(prefix="sparrow-throughput-"), hidden=1024, layers=8, heads=16, kv_heads=8,
+                      positions=9000)
+    script = Path(__file__).with_name("vllm_decode_throughput.py")
+    rates = {}
+    for schedule in ("dense", "const:1024"):
+        for eager in (True, False):
+            run = subprocess.run([sys.executable, str(script), path, "--schedule", schedule]
+                                 + (["--eager"] if eager else []), capture_output=True, text=True, timeout=150,
+                                 check=False)
+            key = f"{schedule}/{'eager' if eager else 'cuda_graphs'}"
+            if run.returncode:
+                rates[key] = "failed: " + run.stderr[-1500:]
+                continue
+            rates[key] = json.loads(run.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
+    numbers = {k: v for k, v in rates.items() if isinstance(v, float)}
+    for mode in ("eager", "cuda_graphs"):
+        if f"dense/{mode}" in numbers and f"const:1024/{mode}" in numbers:
+            rates[f"sparse_over_dense/{mode}"] = round(numbers[f"const:1024/{mode}"] / numbers[f"dense/{mode}"], 3)
+    if len(numbers) < 4:
+        raise RuntimeError(f"some configurations failed: {rates}")
+    return rates
 
 
 def vllm_vs_teacher_forced():
@@ -220,7 +329,7 @@ def vllm_vs_teacher_forced():
                    logprobs_mode="processed_logprobs", seed=0)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (300, 517, 64, 700)]
-    model, _ = load_model(path, device="cuda")
+    model, _ = load_model(path, device=DEVICE)
     result = {"wiring": wiring}
     for name, params in (("greedy", vllm.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)),
                          ("sampled", vllm.SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=1,
@@ -229,12 +338,12 @@ def vllm_vs_teacher_forced():
         diffs, dense_diffs = [], []
         for prompt, out in zip(prompts, outs):
             for completion in out.outputs:
-                ids = torch.tensor([prompt + list(completion.token_ids)], device="cuda")
+                ids = torch.tensor([prompt + list(completion.token_ids)], device=DEVICE)
                 theirs = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
                 with torch.no_grad():
                     sparse = sparse_completion_logits(model, ids, len(prompt), const(64), SparseConfig())[0]
                     dense = model(input_ids=ids).logits[0, len(prompt) - 1: -1]
-                target = torch.tensor(completion.token_ids, device="cuda")[:, None]
+                target = torch.tensor(completion.token_ids, device=DEVICE)[:, None]
                 for logits, into in ((sparse, diffs), (dense, dense_diffs)):
                     ours = torch.log_softmax(logits.float(), -1).gather(-1, target)[:, 0].cpu()
                     into.append((ours - theirs).abs())
@@ -250,12 +359,22 @@ def vllm_vs_teacher_forced():
 
 
 def main() -> int:
+    global DEVICE, GRID
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for device_check.json")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU, under Triton's interpreter: the kernel, "
+                        "graph-path and plan checks on small shapes; no vLLM engine, no timing")
     args = parser.parse_args()
+    steps = [("kernel_vs_reference", kernel_vs_reference), ("graph_capture_vs_eager", graph_capture_vs_eager),
+             ("plan_time", plan_time)]
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is first imported
+        DEVICE, GRID = "cpu", DRY_GRID
+    else:
+        steps += [("kernel_timing", kernel_timing), ("vllm_vs_teacher_forced", vllm_vs_teacher_forced),
+                  ("decode_throughput", decode_throughput)]
     versions()
-    for name, fn in (("kernel_vs_reference", kernel_vs_reference), ("kernel_timing", kernel_timing),
-                     ("vllm_vs_teacher_forced", vllm_vs_teacher_forced)):
+    for name, fn in steps:
         run_step(name, fn)
     SUMMARY["ok"] = all(s["ok"] for s in SUMMARY["steps"].values())
     text = json.dumps(SUMMARY, indent=1)

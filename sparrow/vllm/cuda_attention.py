@@ -1,14 +1,15 @@
 """Sparrow's sparse decode as a vLLM CUDA attention backend: vLLM's Triton backend with the rule.
 
-The same plan as the CPU backend (cpu_attention.py): a request decodes sparsely when it computes one generated
-token (query length 1, not `is_prefilling`) and its schedule budget at its cached length is below the pages it
-holds; those requests go through our Triton kernel (triton_decode.py), every other request of the step, dense
-layers, and every step while the schedule is dense through vLLM's own Triton kernel on a sub-batch. The cache is
-vLLM's, written by vLLM's op; per layer we keep the landmarks of each physical page, computed from the cache when
-the page's last slot is written (so prefix-cached blocks keep theirs).
+The step's plan is the CPU backend's (plan.py): sparse decoding requests go through our Triton kernel
+(triton_decode.py), every other request of the step, dense layers, and every step while the schedule is dense
+through vLLM's own Triton kernel on a sub-batch. The cache is vLLM's, written by vLLM's op; per layer we keep the
+landmarks of each physical page, computed from the cache when the page's last slot is written (so prefix-cached
+blocks keep theirs).
 
-The plan is made on the host each step, so this backend declares no CUDA-graph support: vLLM then captures the
-rest of the model piecewise and runs attention eagerly.
+CUDA graphs: the backend declares UNIFORM_SINGLE_TOKEN_DECODE, so vLLM captures whole decode steps (every request
+one token) and runs mixed prefill/decode steps piecewise with attention eager. With graphs on, a uniform decode
+step takes the fixed-shape path (graph_decode.py) whether it is captured, replayed or run eagerly, and landmark
+updates of up to FIXED_UPDATE_TOKENS slots take the fixed-shape update; so capture and replay run the same code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
@@ -27,108 +29,99 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 
+from .checks import check_engine, check_sparse_config
 from .config import PluginConfig, active
-from .paged import PageLandmarks, filled_pages, physical_pages, split_step
+from .graph_decode import DecodeGraphBuffers, DecodeGraphPlan, graph_sparse_decode, largest_budget_pages
+from .paged import PageLandmarks, filled_pages
+from .plan import SparsePlan, StockRows, plan_step
 from .triton_decode import page_reader, sparse_decode
 
-
-@dataclass
-class StockPart:
-    """The requests of a step that vLLM's kernel attends: their tokens' indices in the batch and the metadata of
-    that sub-batch."""
-
-    tokens: torch.Tensor
-    metadata: TritonAttentionMetadata
-
-
-@dataclass
-class SparsePlan:
-    """The sparse decoding requests of a step: their token index in the batch, physical pages [S, P], cached
-    tokens (with the new one) and budget in pages; `stock` the rest of the batch (None if empty)."""
-
-    tokens: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    budget_pages: torch.Tensor
-    stock: StockPart | None
+FIXED_UPDATE_TOKENS = 1024  # landmark updates of at most this many slots use the fixed-shape (capturable) update
+_FULL_GRAPH_MODES = (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL)
 
 
 @dataclass
 class SparrowTritonMetadata(TritonAttentionMetadata):
     sparse_plan: SparsePlan | None = None
+    stock_metadata: TritonAttentionMetadata | None = None
+    decode_graph: DecodeGraphPlan | None = None
+    plugin_config: PluginConfig | None = None
 
 
-def sparse_plan(config: PluginConfig, cm: CommonAttentionMetadata, meta: TritonAttentionMetadata,
-                block_size: int) -> SparsePlan | None:
-    """Which requests of the step decode sparsely (None: none, or a batch this plan does not split: multimodal
-    prefix ranges, non-causal attention)."""
+def eager_plan(config: PluginConfig, cm: CommonAttentionMetadata, meta: TritonAttentionMetadata,
+               block_size: int) -> tuple[SparsePlan, TritonAttentionMetadata | None] | None:
+    """The step's plan and vLLM's metadata for its stock rows (None: no sparse request, or a batch the plan does
+    not split: multimodal prefix ranges, non-causal attention)."""
     if meta.mm_prefix_range_tensor is not None or meta.causal is not True:
         return None
-    ps = config.sparse.page_size
-    step = split_step(cm.query_start_loc_cpu, cm.seq_lens, cm.is_prefilling, cm.num_reqs, config.schedule, ps)
-    starts, query_lens, seq_lens, n_pages, budget, is_sparse = (step.starts, step.query_lens, step.seq_lens,
-                                                                step.n_pages, step.budget_pages, step.is_sparse)
-    rows = torch.nonzero(is_sparse).flatten()
-    if not rows.numel():
+    plan = plan_step(cm, config.schedule, config.sparse.page_size, block_size)
+    if plan is None:
         return None
-    device = cm.block_table_tensor.device
-    on_device = rows.to(device)
-    page_table = physical_pages(cm.block_table_tensor[on_device], int(n_pages[rows].max()), block_size, ps)
-    others = torch.nonzero(~is_sparse).flatten()
-    stock = _stock_part(others, starts, query_lens, seq_lens, cm, meta) if others.numel() else None
-    return SparsePlan(starts[rows].to(device), page_table, cm.seq_lens[on_device], budget[rows].to(device), stock)
+    return plan, None if plan.stock is None else stock_metadata(plan.stock, cm, meta)
 
 
-def _stock_part(rows, starts, query_lens, seq_lens, cm: CommonAttentionMetadata,
-                meta: TritonAttentionMetadata) -> StockPart:
-    device = cm.block_table_tensor.device
-    tokens = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in rows.tolist()]).to(device)
-    query_start_loc = torch.zeros(rows.numel() + 1, dtype=cm.query_start_loc.dtype)
-    query_start_loc[1:] = torch.cumsum(query_lens[rows], 0)
-    on_device = rows.to(device)
-    sub = replace(meta, num_actual_tokens=tokens.numel(), max_query_len=int(query_lens[rows].max()),
-                  query_start_loc=query_start_loc.to(device), max_seq_len=int(seq_lens[rows].max()),
-                  seq_lens=cm.seq_lens[on_device], block_table=cm.block_table_tensor[on_device],
-                  slot_mapping=meta.slot_mapping[tokens],
-                  rswa_prefix_lens=None if meta.rswa_prefix_lens is None else meta.rswa_prefix_lens[on_device])
-    return StockPart(tokens, sub)
+def stock_metadata(rows: StockRows, cm: CommonAttentionMetadata, meta: TritonAttentionMetadata
+                   ) -> TritonAttentionMetadata:
+    """vLLM's metadata restricted to the stock rows (device gathers only)."""
+    index = rows.rows
+    return replace(meta, num_actual_tokens=rows.tokens.numel(), max_query_len=rows.max_query_len,
+                   query_start_loc=rows.query_start_loc, max_seq_len=rows.max_seq_len, seq_lens=cm.seq_lens[index],
+                   block_table=cm.block_table_tensor[index], slot_mapping=meta.slot_mapping[rows.tokens],
+                   rswa_prefix_lens=None if meta.rswa_prefix_lens is None else meta.rswa_prefix_lens[index])
 
 
-def check_block_size(sparse: SparseConfig, block_size: int) -> None:
-    if block_size % sparse.page_size:
-        raise SparrowError(f"Sparrow's vLLM plugin: page size {sparse.page_size} does not divide vLLM's KV block "
-                           f"size {block_size}; use a page size that divides it (16 divides every CUDA block size)")
+def graph_buffers(vllm_config, config: PluginConfig, device) -> DecodeGraphBuffers | None:
+    """The buffers of the fixed-shape decode path when vLLM captures full decode graphs and the schedule the engine
+    starts with is sparse (its largest budget sets the slots kept)."""
+    compilation = vllm_config.compilation_config
+    slots = largest_budget_pages(config.schedule, config.sparse.page_size)
+    if compilation.cudagraph_mode not in _FULL_GRAPH_MODES or not slots:
+        return None
+    requests = max([vllm_config.scheduler_config.max_num_seqs, *(compilation.cudagraph_capture_sizes or [])])
+    return DecodeGraphBuffers(requests, slots, device)
 
 
 class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = active()
+        self.graph_buffers = None
         if config is not None:
-            check_block_size(config.sparse, self.block_size)
+            check_sparse_config(config.sparse, self.block_size, "auto")
+            check_engine(vllm_config)
+            self.graph_buffers = graph_buffers(vllm_config, config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TritonAttentionMetadata:
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         config = active()
-        if config is None or config.schedule.is_dense:
+        if config is None:
             return meta
-        plan = sparse_plan(config, common_attn_metadata, meta, self.block_size)
-        if plan is None:
+        fields_of = {f.name: getattr(meta, f.name) for f in fields(meta)}
+        cm = common_attn_metadata
+        if self.graph_buffers is not None and cm.max_query_len == 1:
+            graph = self.graph_buffers.fill(cm, config.schedule, config.sparse.page_size)
+            return SparrowTritonMetadata(**fields_of, decode_graph=graph, plugin_config=config)
+        if config.schedule.is_dense:
             return meta
-        return SparrowTritonMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, sparse_plan=plan)
+        planned = eager_plan(config, cm, meta, self.block_size)
+        if planned is None:
+            return meta
+        return SparrowTritonMetadata(**fields_of, sparse_plan=planned[0], stock_metadata=planned[1],
+                                     plugin_config=config)
 
 
 class SparrowTritonAttentionImpl(TritonAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.landmarks: PageLandmarks | None = None
-        if active() is not None and self.attn_type == AttentionType.DECODER:
+        config = active()
+        self.sparse = None if config is None else config.sparse  # fixed for the engine; the schedule is not
+        if config is not None and self.attn_type == AttentionType.DECODER:
             unsupported = [name for name, present in (
                 ("ALiBi", self.alibi_slopes is not None), ("a sliding window", self.sliding_window != (-1, -1)),
                 ("attention sinks", self.sinks is not None), ("a logit soft cap", bool(self.logits_soft_cap)),
@@ -154,37 +147,62 @@ class SparrowTritonAttentionImpl(TritonAttentionImpl):
 
     def update_landmarks(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Landmarks of the pages whose last slot `slot_mapping` just wrote, from the cache."""
-        config = active()
-        if config is None or self.attn_type != AttentionType.DECODER or not kv_cache.numel():
+        sparse = self.sparse
+        if sparse is None or self.attn_type != AttentionType.DECODER or not kv_cache.numel():
             return
-        sparse = config.sparse
         blocks, kv_heads, block, _ = kv_cache.shape
         num_pages = blocks * (block // sparse.page_size)
         if self.landmarks is None or self.landmarks.num_pages != num_pages:
             self.landmarks = PageLandmarks(sparse, num_pages, kv_heads, self.head_size, kv_cache.dtype,
                                            kv_cache.device)
+        read = page_reader(*self.caches(kv_cache), sparse.page_size)
+        capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
+        if slot_mapping.numel() <= FIXED_UPDATE_TOKENS or capturing:
+            self.landmarks.update_slots(slot_mapping, read, sparse.page_size)
+            return
         pages = filled_pages(slot_mapping, sparse.page_size)
         if pages.numel():
-            self.landmarks.update(pages, page_reader(*self.caches(kv_cache), sparse.page_size)(pages)[0])
+            self.landmarks.update(pages, read(pages)[0])
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
+        config = getattr(attn_metadata, "plugin_config", None)
         plan = getattr(attn_metadata, "sparse_plan", None)
-        config = active()
-        if (plan is None or config is None or self.landmarks is None or self.attn_type != AttentionType.DECODER
+        graph = getattr(attn_metadata, "decode_graph", None)
+        if ((plan is None and graph is None) or config is None or self.landmarks is None
+                or self.attn_type != AttentionType.DECODER
                 or extract_layer_index(layer.layer_name) in config.sparse.dense_layers):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
+        if graph is not None:
+            return self._graph_forward(layer, query, key, value, kv_cache, attn_metadata, output, config)
         if plan.stock is not None:
-            part = plan.stock
-            out = output.new_empty((part.tokens.numel(),) + output.shape[1:])
-            super().forward(layer, query.index_select(0, part.tokens), key, value, kv_cache, part.metadata, out)
-            output.index_copy_(0, part.tokens, out)
+            rows = plan.stock
+            out = output.new_empty((rows.tokens.numel(),) + output.shape[1:])
+            super().forward(layer, query.index_select(0, rows.tokens), key, value, kv_cache,
+                            attn_metadata.stock_metadata, out)
+            output.index_copy_(0, rows.tokens, out)
         count, group = plan.tokens.numel(), self.num_heads // self.num_kv_heads
         queries = query.index_select(0, plan.tokens).view(count, self.num_kv_heads, group, self.head_size)
         out = sparse_decode(queries, *self.caches(kv_cache), plan.page_table, self.landmarks, plan.seq_lens,
                             plan.budget_pages, config.sparse, self.scale)
         output.index_copy_(0, plan.tokens, out.reshape((count,) + output.shape[1:]).to(output.dtype))
+        return output
+
+    def _graph_forward(self, layer, query, key, value, kv_cache, meta: SparrowTritonMetadata, output,
+                       config: PluginConfig):
+        """A uniform decode step, fixed shapes (graph_decode.py): vLLM's kernel on every request (one token of
+        work for ours), ours on every request (no page for vLLM's), each request's row from its owner."""
+        graph = meta.decode_graph
+        stock = replace(meta, seq_lens=graph.stock_seq_lens, decode_graph=None)
+        super().forward(layer, query, key, value, kv_cache, stock, output)
+        count, group = graph.budget_pages.shape[0], self.num_heads // self.num_kv_heads
+        queries = query[:count].view(count, self.num_kv_heads, group, self.head_size)
+        out = graph_sparse_decode(queries, *self.caches(kv_cache), meta.block_table[:count], self.landmarks,
+                                  meta.seq_lens[:count], graph.budget_pages, config.sparse, self.scale, graph.slots)
+        rows = output[:count]
+        ours = (graph.budget_pages > 0).view((count,) + (1,) * (rows.dim() - 1))
+        rows.copy_(torch.where(ours, out.reshape(rows.shape).to(rows.dtype), rows))
         return output
 
 

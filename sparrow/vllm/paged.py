@@ -11,61 +11,24 @@ A layout is a pair of functions reading (keys, values) of physical pages from a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from sparrow.attention.config import SparseConfig
 from sparrow.attention.selection import select_pages
-from sparrow.schedules import Schedule
 
-PageReader = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+PageReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def physical_pages(block_table: torch.Tensor, num_pages: int, block_size: int, page_size: int) -> torch.Tensor:
-    """[requests, blocks] block table -> physical page of each request's first `num_pages` pages [requests, P]."""
+    """[requests, blocks] block table -> physical page of each request's first `num_pages` pages [requests, P]
+    (int64): each block's pages in order, one broadcast add."""
     per = block_size // page_size
-    page = torch.arange(num_pages, device=block_table.device)
-    return block_table[:, page // per].long() * per + page % per
-
-
-def decode_budget_pages(schedule: Schedule, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
-    """(pages held, budget in pages) per decoding request with `seq_lens` cached tokens counting the new one: the
-    schedule's budget at that length, as our engine's decode step (`RolloutEngine.budgets`)."""
-    seq_lens = seq_lens.long()
-    n_pages = (seq_lens + page_size - 1) // page_size
-    if schedule.is_dense:
-        return n_pages, n_pages
-    return n_pages, schedule.budget_for(seq_lens) // page_size
-
-
-@dataclass
-class StepSplit:
-    """A step's requests as the plugin sees them: query starts [R + 1] and lengths [R], cached lengths [R]
-    (counting the tokens of this step), pages held, budget in pages, and which decode sparsely, all on the CPU."""
-
-    starts: torch.Tensor
-    query_lens: torch.Tensor
-    seq_lens: torch.Tensor
-    n_pages: torch.Tensor
-    budget_pages: torch.Tensor
-    is_sparse: torch.Tensor
-
-
-def split_step(query_start_loc_cpu: torch.Tensor, seq_lens: torch.Tensor, is_prefilling: torch.Tensor | None,
-               num_reqs: int, schedule: Schedule, page_size: int) -> StepSplit:
-    """Which requests of a vLLM step decode sparsely: one query token, past the prompt (`is_prefilling` False, so
-    a one-token prompt tail left by prefix caching is prefill) and a budget below the pages held."""
-    starts = query_start_loc_cpu[: num_reqs + 1].long()
-    query_lens = starts[1:] - starts[:-1]
-    cached = seq_lens[:num_reqs].cpu().long()
-    decoding = query_lens == 1
-    if is_prefilling is not None:
-        decoding &= ~is_prefilling[:num_reqs].cpu().bool()
-    n_pages, budget = decode_budget_pages(schedule, cached, page_size)
-    return StepSplit(starts, query_lens, cached, n_pages, budget, decoding & (budget < n_pages))
+    if per == 1:
+        return block_table[:, :num_pages].long()
+    first = block_table[:, : -(-num_pages // per)].long() * per
+    return (first.unsqueeze(-1) + torch.arange(per, device=block_table.device)).flatten(1)[:, :num_pages]
 
 
 def filled_pages(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -79,8 +42,10 @@ class PageLandmarks:
 
     def __init__(self, sparse: SparseConfig, num_pages: int, kv_heads: int, head_dim: int, dtype, device):
         self.landmark = sparse.page_landmark
-        self.tensors = [torch.zeros(num_pages, kv_heads, head_dim, dtype=dtype, device=device)
-                        for _ in range(self.landmark.tensors)]
+        # one spare row past the pages, where `update_slots` sends the slots that complete no page
+        self.stores = [torch.zeros(num_pages + 1, kv_heads, head_dim, dtype=dtype, device=device)
+                       for _ in range(self.landmark.tensors)]
+        self.tensors = [store[:num_pages] for store in self.stores]
 
     @property
     def num_pages(self) -> int:
@@ -90,6 +55,17 @@ class PageLandmarks:
         """Landmarks of the physical `pages` [n] from their keys [n, kv_heads, page_size, head_dim]."""
         for store, mark in zip(self.tensors, self.landmark.build(page_keys)):
             store.index_copy_(0, pages, mark.to(store.dtype))
+
+    def update_slots(self, slot_mapping: torch.Tensor, read_pages: PageReader, page_size: int) -> None:
+        """`update(filled_pages(slot_mapping), ...)` with shapes fixed by the slot count and nothing read back to the
+        host (CUDA graphs capture it): every written slot's page gets a landmark, sent to the spare row unless
+        the slot is the page's last."""
+        slots = slot_mapping.long()
+        pages = torch.div(slots.clamp(min=0), page_size, rounding_mode="floor")
+        fills = (slots >= 0) & (slots % page_size == page_size - 1)
+        target = torch.where(fills, pages, self.num_pages)
+        for store, mark in zip(self.stores, self.landmark.build(read_pages(pages)[0])):
+            store.index_copy_(0, target, mark.to(store.dtype))
 
     def gather(self, phys: torch.Tensor) -> list[torch.Tensor]:
         """Landmarks of the pages `phys` [R, P] as the scorers take them, [R, kv_heads, P, head_dim] each."""

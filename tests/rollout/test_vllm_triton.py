@@ -179,7 +179,7 @@ def test_the_backend_validates_where_vllm_would_pick_flash_attention(cuda_backen
     backend = cuda_backend.SparrowTritonAttentionBackend
     assert issubclass(backend, TritonAttentionBackend)
     assert backend.get_impl_cls() is cuda_backend.SparrowTritonAttentionImpl
-    assert backend.get_builder_cls().get_cudagraph_support(None, None).name == "NEVER"
+    assert backend.get_builder_cls().get_cudagraph_support(None, None).name == "UNIFORM_SINGLE_TOKEN_DECODE"
     for dtype in (torch.float32, torch.bfloat16):
         for block in (16, 32):
             config = AttentionSelectorConfig(head_size=64, dtype=dtype, kv_cache_dtype="auto", block_size=block)
@@ -213,21 +213,19 @@ def test_the_plan_sends_long_decodes_to_the_kernel_and_the_rest_to_vllms_kernel(
     request 3 is a prefill chunk of 5 tokens; the stock sub-batch holds exactly their tokens and metadata."""
     block_table = torch.arange(40, dtype=torch.int32).view(4, 10)
     cm = _common_metadata([1, 1, 1, 5], [300, 40, 100, 80], block_table, torch.arange(8))
-    plan = cuda_backend.sparse_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
+    plan, meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
     assert plan.tokens.tolist() == [0, 2]
     assert plan.seq_lens.tolist() == [300, 100] and plan.budget_pages.tolist() == [4, 4]
     assert plan.page_table.shape == (2, 19)
     assert plan.page_table[1, :7].tolist() == [40, 41, 42, 43, 44, 45, 46]  # request 2: blocks 20.. of 2 pages
-    stock = plan.stock
-    assert stock.tokens.tolist() == [1, 3, 4, 5, 6, 7]
-    meta = stock.metadata
+    assert plan.stock.tokens.tolist() == [1, 3, 4, 5, 6, 7]
     assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [40, 80]
     assert meta.block_table[:, 0].tolist() == [10, 30] and meta.slot_mapping.tolist() == [1, 3, 4, 5, 6, 7]
     assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 5, 80)
     assert meta.sparse_plan is None
     dense_cm = _common_metadata([1, 5], [40, 80], block_table[:2], torch.arange(6))
-    assert cuda_backend.sparse_plan(plugin_config.active(), dense_cm, _triton_metadata(cuda_backend, dense_cm),
-                                    32) is None
+    assert cuda_backend.eager_plan(plugin_config.active(), dense_cm, _triton_metadata(cuda_backend, dense_cm),
+                                   32) is None
 
 
 @interpreted
@@ -245,9 +243,10 @@ def test_the_backend_keeps_landmarks_and_decodes_as_the_reference(cuda_backend, 
     for store, mine in zip(batch.landmarks.tensors, impl.landmarks.tensors):
         torch.testing.assert_close(mine, store)
     cm = _common_metadata([1, 1, 1], batch.lengths, batch.block_table, last)
-    plan = cuda_backend.sparse_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), batch.block)
-    assert plan.stock is None and plan.tokens.tolist() == [0, 1, 2]
-    meta = _triton_metadata(cuda_backend, cm, sparse_plan=plan)
+    plan, stock_meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm),
+                                               batch.block)
+    assert plan.stock is None and stock_meta is None and plan.tokens.tolist() == [0, 1, 2]
+    meta = _triton_metadata(cuda_backend, cm, sparse_plan=plan, plugin_config=plugin_config.active())
     query = batch.queries.reshape(3, 4, 64)
     output = torch.zeros(3, 4, 64)
     impl.forward(SimpleNamespace(layer_name="model.layers.3.self_attn.attn"), query, None, None, batch.kv_cache,

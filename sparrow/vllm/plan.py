@@ -1,0 +1,113 @@
+"""The plan of one engine step, shared by the CPU and CUDA backends: which requests decode sparsely, their pages and
+budgets, and the sub-batch of the other requests that vLLM's own kernel attends.
+
+A request decodes sparsely when it computes one generated token (query length 1 and past its prompt, vLLM's
+`is_prefilling`, so a one-token prompt tail left by prefix caching is prefill) and the schedule's budget at its
+cached length (counting the new token) is below the pages it holds: our engine's rule.
+
+The metadata builder makes the plan once per step, for all layers. The decision reads only vLLM's host-side copies
+of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with tensor operations and no
+Python loop over requests; the per-request results travel to the device in one host-to-device copy, and the page
+table is gathered there from vLLM's block table. Nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sparrow.schedules import Schedule
+
+from .paged import physical_pages
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+
+@dataclass
+class StockRows:
+    """The requests of a step that vLLM's kernel attends (prefills, chunked-prefill pieces, covered decodes): their
+    rows and tokens in the batch (device), query starts of the sub-batch (host and device), their cached lengths on
+    the host, and the longest query and cached length."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class SparsePlan:
+    """The sparse decoding requests of a step (S of them, on the device): the index of each one's token in the
+    batch, physical pages of its pages [S, P], cached tokens counting the new one, pages held and budget in pages;
+    `stock` the rest of the batch (None if empty)."""
+
+    tokens: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    n_pages: torch.Tensor
+    budget_pages: torch.Tensor
+    stock: StockRows | None
+
+
+def host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:
+    """Cached lengths of the step's requests on the host: vLLM's own host copy (exact without speculative decoding,
+    which the plugin refuses); the device tensor itself where there is none (CPU runs, tests)."""
+    host = cm.seq_lens_cpu_upper_bound
+    return (cm.seq_lens if host is None else host)[: cm.num_reqs].cpu()
+
+
+def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, is_prefilling: torch.Tensor | None,
+                schedule: Schedule, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(decodes sparsely [R] bool, pages held [R], budget in pages [R]) of requests with these query and cached
+    lengths (host tensors)."""
+    n_pages = (seq_lens.long() + page_size - 1) // page_size
+    if schedule.is_dense:
+        return torch.zeros_like(n_pages, dtype=torch.bool), n_pages, n_pages
+    budget = schedule.budget_for(seq_lens) // page_size
+    sparse = (query_lens == 1) & (budget < n_pages)
+    if is_prefilling is not None:
+        sparse &= ~is_prefilling
+    return sparse, n_pages, budget
+
+
+def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, block_size: int) -> SparsePlan | None:
+    """The plan of the step `cm` under `schedule` (None: no request decodes sparsely, the step is stock vLLM's)."""
+    num_reqs = cm.num_reqs
+    starts = cm.query_start_loc_cpu[: num_reqs + 1].long()
+    query_lens = starts[1:] - starts[:-1]
+    seq_lens = host_seq_lens(cm).long()
+    prefilling = None if cm.is_prefilling is None else cm.is_prefilling[:num_reqs].cpu().bool()
+    sparse, n_pages, budget = sparse_rows(query_lens, seq_lens, prefilling, schedule, page_size)
+    rows = torch.nonzero(sparse).flatten()
+    if not rows.numel():
+        return None
+    stock_rows = torch.nonzero(~sparse).flatten()
+    stock_tokens = _stock_tokens(starts, rows)
+    stock_starts = torch.zeros(stock_rows.numel() + 1, dtype=torch.long)
+    torch.cumsum(query_lens[stock_rows], 0, out=stock_starts[1:])
+    host = (starts[rows], rows, seq_lens[rows], n_pages[rows], budget[rows], stock_rows, stock_tokens, stock_starts)
+    device = cm.block_table_tensor.device
+    moved = torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host])
+    tokens, rows_d, seq_d, n_pages_d, budget_d, stock_rows_d, stock_tokens_d, stock_starts_d = moved
+    num_pages = int(n_pages[rows].max())
+    blocks = -(-num_pages * page_size // block_size)
+    page_table = physical_pages(cm.block_table_tensor[:, :blocks][rows_d], num_pages, block_size, page_size)
+    stock = None
+    if stock_rows.numel():
+        stock = StockRows(stock_rows_d, stock_tokens_d, stock_starts.to(cm.query_start_loc_cpu.dtype),
+                          stock_starts_d.to(cm.query_start_loc.dtype), seq_lens[stock_rows],
+                          int(query_lens[stock_rows].max()), int(seq_lens[stock_rows].max()))
+    return SparsePlan(tokens, page_table, seq_d, n_pages_d, budget_d, stock)
+
+
+def _stock_tokens(starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Indices of the step's tokens that are not the single tokens of the sparse `rows`."""
+    keep = torch.ones(int(starts[-1]), dtype=torch.bool)
+    keep[starts[rows]] = False
+    return torch.nonzero(keep).flatten()

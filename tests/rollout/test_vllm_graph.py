@@ -1,0 +1,204 @@
+"""The CUDA backend's fixed-shape decode path (graph_decode.py), which vLLM captures in CUDA graphs, on CPU under
+Triton's interpreter: it equals the eager path request for request, and its landmark update the eager update.
+
+The interpreter needs TRITON_INTERPRET=1 before triton.language is imported; test_vllm_triton.py sets it and, when
+triton was imported earlier, reruns its tests in a child process; this module does the same with its own.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparrow.attention import SparseConfig
+from sparrow.attention.selection import select_pages
+from sparrow.errors import SparrowError
+from sparrow.schedules import const, parse_schedule
+from sparrow.vllm import config as plugin_config
+from sparrow.vllm.paged import PageLandmarks, filled_pages, reference_decode
+from tests.rollout.test_vllm_triton import (
+    INTERPRETED,
+    PS,
+    Batch,
+    _common_metadata,
+    _triton_metadata,
+    interpreted,
+)
+
+if INTERPRETED:
+    from sparrow.vllm.graph_decode import (
+        graph_sparse_decode,
+        page_scores,
+        reference_page_scores,
+        select_slots,
+    )
+    from sparrow.vllm.triton_decode import page_reader, sparse_decode
+
+
+@pytest.fixture
+def cuda_backend():
+    pytest.importorskip("vllm")
+    from sparrow.vllm import cuda_attention
+
+    yield cuda_attention
+    plugin_config.activate(None)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
+def test_the_graph_path_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "not test_the_graph_path_under_the_interpreter"],
+                         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout, run.stdout[-1000:]
+
+
+@interpreted
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_scoring_kernel_equals_the_landmarks_scores(landmark, group):
+    batch = Batch([300, 97, 513], 2, group, 64, 32, landmark=landmark)
+    table = torch.cat([batch.page_table, batch.page_table[:, :5]], dim=1)  # slots past every request's pages
+    n_pages = batch.n_pages
+    ref = reference_page_scores(batch.queries, batch.landmarks, table, n_pages, batch.sparse)
+    out = page_scores(batch.queries, batch.landmarks, table, n_pages, batch.sparse)
+    assert out.shape == (3, 2, 38)
+    assert torch.isinf(out[1, :, 7:]).all() and torch.isfinite(out[1, :, :6]).all()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+
+
+@interpreted
+def test_fixed_slots_select_the_pages_select_pages_selects():
+    batch = Batch([300, 97, 513, 40], 2, 2, 64, 32)
+    budget = torch.tensor([4, 5, 6, 9])
+    scores = reference_page_scores(batch.queries, batch.landmarks, batch.page_table, batch.n_pages, batch.sparse)
+    pages, valid = select_pages(scores, batch.n_pages[:, None], budget[:, None], batch.sparse.sink_pages,
+                                batch.sparse.recent_pages)
+    fixed = select_slots(scores, batch.n_pages, budget, batch.sparse, 12)
+    assert fixed.shape == (4, 2, 12)
+    assert (fixed >= 0).sum(-1).tolist() == [[4, 4], [5, 5], [6, 6], [3, 3]]
+    for r in range(4):
+        for h in range(2):
+            assert set(fixed[r, h][fixed[r, h] >= 0].tolist()) == set(pages[r, h][valid[r, h]].tolist())
+
+
+@interpreted
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_graph_decode_equals_the_eager_decode(landmark):
+    """Over every slot of the block table with 8 slots kept, the requests of budget > 0 get the eager path's output;
+    budgets of 5 and 8 pages, one request covered (budget 0 there)."""
+    batch = Batch([300, 97, 513, 40], 2, 2, 64, 32, landmark=landmark)
+    budget = torch.tensor([5, 8, 8, 0])
+    eager = sparse_decode(batch.queries, batch.key_cache, batch.value_cache, batch.page_table, batch.landmarks,
+                          batch.seq_lens, budget.clamp(min=1), batch.sparse, batch.scale)
+    graph = graph_sparse_decode(batch.queries, batch.key_cache, batch.value_cache, batch.block_table,
+                                batch.landmarks, batch.seq_lens, budget, batch.sparse, batch.scale, 8)
+    torch.testing.assert_close(graph[:3], eager[:3], atol=1e-5, rtol=1e-5)
+    read = page_reader(batch.key_cache, batch.value_cache, PS)
+    ref = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens, budget,
+                           batch.sparse, batch.scale)
+    torch.testing.assert_close(graph[:3], ref[:3], atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_the_fixed_shape_landmark_update_equals_the_eager_one():
+    batch = Batch([300, 97, 513], 2, 2, 64, 32, landmark="quest")
+    read = page_reader(batch.key_cache, batch.value_cache, PS)
+    eager = PageLandmarks(batch.sparse, batch.landmarks.num_pages, 2, 64, torch.float32, "cpu")
+    fixed = PageLandmarks(batch.sparse, batch.landmarks.num_pages, 2, 64, torch.float32, "cpu")
+    slots = torch.cat([batch.slot_mapping, torch.full((5,), -1)])  # vLLM pads with -1
+    for part in slots.split(37):
+        pages = filled_pages(part, PS)
+        if pages.numel():
+            eager.update(pages, read(pages)[0])
+        fixed.update_slots(part, read, PS)
+    for a, b, c in zip(eager.tensors, fixed.tensors, batch.landmarks.tensors):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert fixed.tensors[0].shape[0] == batch.landmarks.num_pages
+
+
+def test_the_graph_buffers_mark_sparse_requests_and_refuse_a_larger_budget():
+    pytest.importorskip("vllm")
+    block_table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    cm = _common_metadata([1, 1, 1, 1], [300, 40, 100, 80], block_table, torch.arange(4))
+    cm.is_prefilling = torch.tensor([False, False, False, True])  # a one-token prompt tail
+    from sparrow.vllm.graph_decode import DecodeGraphBuffers
+
+    buffers = DecodeGraphBuffers(8, 4, "cpu")
+    plan = buffers.fill(cm, const(64), PS)
+    assert plan.budget_pages.tolist() == [4, 0, 4, 0] and plan.stock_seq_lens.tolist() == [1, 40, 1, 80]
+    assert plan.budget_pages.data_ptr() == buffers.budget_pages.data_ptr()  # the captured addresses
+    assert buffers.fill(cm, parse_schedule("dense"), PS).budget_pages.tolist() == [0, 0, 0, 0]
+    with pytest.raises(SparrowError, match="captured for 64"):
+        buffers.fill(cm, const(128), PS)
+
+
+@interpreted
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_backends_graph_forward_equals_its_eager_forward(cuda_backend, landmark):
+    """One uniform decode step through the impl both ways: requests 0 and 2 sparse, 1 covered, 3 a one-token prompt
+    tail; vLLM's kernel stands in as a dense reference reading the cached lengths it is given."""
+    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    batch = Batch([300, 40, 513, 200], 2, 2, 64, 32, landmark=landmark)
+    impl = cuda_backend.SparrowTritonAttentionImpl(4, 64, batch.scale, 2, None, None, "auto")
+    impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
+    read = page_reader(batch.key_cache, batch.value_cache, PS)
+
+    def stock(self, layer, query, key, value, kv_cache, meta, output, *args):
+        rows = meta.seq_lens.shape[0]
+        table = batch.page_table[(meta.block_table[:, :1] == batch.block_table[:, :1].T).int().argmax(-1)]
+        n_pages = (meta.seq_lens.long() + PS - 1) // PS
+        q = query[:rows].view(rows, 2, 2, 64)
+        out = reference_decode(q, read, table, batch.landmarks, meta.seq_lens, n_pages, batch.sparse, batch.scale)
+        return output.copy_(out.reshape(output.shape))
+
+    cm = _common_metadata([1, 1, 1, 1], batch.lengths, batch.block_table, batch.slot_mapping[:4])
+    cm.is_prefilling = torch.tensor([False, False, False, True])
+    query = batch.queries.reshape(4, 4, 64)
+    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonAttentionImpl, "forward", stock)
+        plan, stock_meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
+        assert plan.tokens.tolist() == [0, 2]
+        eager = impl.forward(layer, query, None, None, batch.kv_cache,
+                             _triton_metadata(cuda_backend, cm, sparse_plan=plan, stock_metadata=stock_meta,
+                                              plugin_config=plugin_config.active()),
+                             torch.zeros(4, 4, 64))
+        graph_plan = cuda_backend.DecodeGraphBuffers(8, 4, "cpu").fill(cm, const(64), PS)
+        graph = impl.forward(layer, query, None, None, batch.kv_cache,
+                             _triton_metadata(cuda_backend, cm, decode_graph=graph_plan,
+                                              plugin_config=plugin_config.active()), torch.zeros(4, 4, 64))
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+    dense = stock(None, None, query, None, None, None, _triton_metadata(cuda_backend, cm), torch.zeros(4, 4, 64))
+    assert (graph[[0, 2]] - dense[[0, 2]]).abs().max() > 1e-3  # the sparse rows really are sparse
+    torch.testing.assert_close(graph[[1, 3]], dense[[1, 3]], atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_the_triton_paths_on_half_the_kv_heads_are_half_the_whole():
+    """Tensor parallelism at the head partition: each half of the KV heads (whole groups) decoded alone, eager and
+    fixed-shape, concatenated, is the whole."""
+    batch = Batch([300, 97, 513], 4, 2, 64, 32, landmark="quest")
+    budget = torch.tensor([4, 3, 6])
+    whole = graph_sparse_decode(batch.queries, batch.key_cache, batch.value_cache, batch.block_table,
+                                batch.landmarks, batch.seq_lens, budget, batch.sparse, batch.scale, 6)
+    halves = []
+    for heads in (slice(0, 2), slice(2, 4)):
+        marks = PageLandmarks(batch.sparse, batch.landmarks.num_pages, 2, 64, torch.float32, "cpu")
+        for mine, full in zip(marks.tensors, batch.landmarks.tensors):
+            mine.copy_(full[:, heads])
+        args = (batch.queries[:, heads], batch.key_cache[:, :, heads], batch.value_cache[:, :, heads])
+        eager = sparse_decode(*args, batch.page_table, marks, batch.seq_lens, budget, batch.sparse, batch.scale)
+        graph = graph_sparse_decode(*args, batch.block_table, marks, batch.seq_lens, budget, batch.sparse,
+                                    batch.scale, 6)
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+        halves.append(graph)
+    torch.testing.assert_close(torch.cat(halves, dim=1), whole, atol=1e-5, rtol=1e-5)
