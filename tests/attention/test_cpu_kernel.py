@@ -1,5 +1,6 @@
 """The compiled kernel's build lock: a build killed midway (torch's `lock` file left behind) is detected and redone
-instead of hanging every later run; waiting for a live build is bounded. No real compile: torch's build is faked."""
+instead of hanging every later run; waiting for a live build is bounded. No real compile: torch's build is faked.
+The last test builds the kernel for real: its two page readers (contiguous, vLLM's paged) agree on one cache."""
 
 import multiprocessing
 import os
@@ -7,9 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.utils.cpp_extension
 
-from sparrow.attention import cpu_kernel
+from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention.landmarks import LANDMARKS
 
 _fork = multiprocessing.get_context("fork")
 
@@ -97,3 +100,41 @@ def test_a_build_lock_held_too_long_falls_back_to_pytorch_with_a_warning(tmp_pat
     finally:
         holder.kill()
         holder.join()
+
+
+def _as_paged(keys, values, marks, block):
+    """The native cache (keys/values [R, H, P, S, D], marks [R, H, P, D]) laid out as vLLM's CPU cache
+    [blocks, H, block, 2 D] (per (block, head) keys channel-major, then values), its pages scattered."""
+    rows, heads, pages, size, dim = keys.shape
+    per = block // size
+    phys = torch.randperm(rows * pages).view(rows, pages)
+    cache = torch.zeros(rows * pages // per, heads, 2 * block * dim)
+    paged_marks = [torch.zeros(rows * pages, heads, dim) for _ in marks]
+    for r in range(rows):
+        for p in range(pages):
+            b, at = divmod(int(phys[r, p]), per)
+            slab = cache[b].view(heads, 2, block * dim)
+            slab[:, 0].view(heads, dim, block)[:, :, at * size:(at + 1) * size] = keys[r, :, p].transpose(-1, -2)
+            slab[:, 1].view(heads, block, dim)[:, at * size:(at + 1) * size] = values[r, :, p]
+            for store, mark in zip(paged_marks, marks):
+                store[phys[r, p]] = mark[r, :, p]
+    return cache.view(-1, heads, block, 2 * dim), phys, paged_marks
+
+
+@pytest.mark.parametrize("landmark", LANDMARKS)
+@pytest.mark.parametrize("dim", [64, 24])
+def test_the_paged_and_contiguous_readers_decode_one_cache_alike(landmark, dim):
+    if cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    torch.manual_seed(0)
+    sparse = SparseConfig(page_size=4, landmark=landmark)
+    rows, heads, group, pages = 3, 2, 2, 10
+    keys, values = torch.randn(rows, heads, pages, 4, dim), torch.randn(rows, heads, pages, 4, dim)
+    marks = sparse.page_landmark.build(keys)
+    total = torch.tensor([40, 37, 13])  # full, a partial last page, a row of 4 pages (dense: within its budget)
+    n_pages, budget = (total + 3) // 4, torch.tensor([5, 6, 5])
+    queries = torch.randn(rows, heads, group, dim)
+    want = cpu_kernel.sparse_decode(queries, keys, values, marks, n_pages, budget, total, sparse, 0.3)
+    cache, phys, paged_marks = _as_paged(keys, values, marks, block=8)
+    got = cpu_kernel.paged_sparse_decode(queries, cache, phys, paged_marks, n_pages, budget, total, sparse, 0.3)
+    assert torch.allclose(got, want, atol=1e-5)

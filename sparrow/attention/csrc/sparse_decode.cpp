@@ -5,6 +5,8 @@
 //      row has no more pages than its budget);
 //   3. softmax attention of the group's query heads over the kept pages, read in place from the cache.
 // The same rule as sparrow/attention/selection.py and kernels.py, which remain the reference.
+// One decode loop (`decode`) serves two caches through a page reader, which says where page p's landmarks, keys
+// and values of one (row, head) lie: `ContiguousPages` (the native engine's cache) and `PagedPages` (vLLM's).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,6 +35,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
   return s;
 }
+
+using Marks = std::pair<const float*, const float*>;  // a page's landmarks: (centroid, null) or (kmin, kmax)
 
 }  // namespace
 
@@ -96,154 +101,172 @@ inline void softmax_rows(float* scores, int64_t G, int64_t stride, int64_t n) {
   }
 }
 
-// kD: the head dim when known at compile time (64, 128), else 0 and read from the tensors.
-template <int64_t kD>
-torch::Tensor sparse_decode_impl(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                 std::vector<torch::Tensor> marks, torch::Tensor n_pages, torch::Tensor budget_pages,
-                                 torch::Tensor total, int64_t sink, int64_t recent, double scale) {
-  // q [B, H, G, D]; keys/values [B, H, P, S, D]; marks: [centroid] or [kmin, kmax], each [B, H, P, D];
-  // n_pages, budget_pages, total: [B] int64.
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = kD ? kD : q.size(3);
-  const int64_t P = keys.size(2), S = keys.size(3);
-  const bool quest = marks.size() == 2;
-  auto qc = q.contiguous();
-  auto np_t = n_pages.contiguous(), bp_t = budget_pages.contiguous(), tot_t = total.contiguous();
-  for (auto& m : marks) TORCH_CHECK(m.is_contiguous() && m.size(2) == P, "landmarks must match the cache");
-  auto out = torch::zeros({B, H, G, D}, q.options());
-  const float* qd = qc.data_ptr<float>();
-  const float* kd = keys.data_ptr<float>();
-  const float* vd = values.data_ptr<float>();
-  const float* m0 = marks[0].data_ptr<float>();
-  const float* m1 = quest ? marks[1].data_ptr<float>() : nullptr;
-  const int64_t* npd = np_t.data_ptr<int64_t>();
-  const int64_t* bpd = bp_t.data_ptr<int64_t>();
-  const int64_t* totd = tot_t.data_ptr<int64_t>();
-  float* od = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+// What both caches share: the queries [rows, H, G, D], per row the page count, budget in pages and token count
+// ([rows] int64 each), the landmark tensors ([centroid] or [kmin, kmax]) and the output [rows, H, G, D].
+struct Step {
+  torch::Tensor q, n_pages, budget, total, out;  // contiguous; they own the memory of the pointers below
+  std::vector<torch::Tensor> marks;
+  int64_t rows, H, G, D, sink, recent;
+  bool quest;
+  float scale;
+  const float *qd, *m0, *m1;
+  const int64_t *npd, *bpd, *totd;
+  float* od;
+};
 
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> page_score(P), qmean(D), scores;
-    std::vector<int64_t> order(P), kept, rows;
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, np = npd[b], limit = totd[b];
-      const float* qh = qd + bh * G * D;
-      const int64_t base = bh * P * D;
-      auto mark = [&](int64_t p) {
-        return std::pair<const float*, const float*>(m0 + base + p * D, quest ? m1 + base + p * D : nullptr);
-      };
-      choose_pages<kD>(qh, G, D, np, std::min(bpd[b], np), sink, recent, quest, mark, page_score, order, qmean,
-                       kept);
-      const int64_t n_kept = static_cast<int64_t>(kept.size());
-      scores.assign(G * n_kept * S, 0.f);
-      rows.clear();
-      const int64_t stride = n_kept * S;
-      for (int64_t j = 0; j < n_kept; ++j) {
-        const int64_t first = (bh * P + kept[j]) * S;
-        if (j == 0)
-          for (int64_t a = 1; a < std::min(kAhead, n_kept); ++a) prefetch(kd + (bh * P + kept[a]) * S * D, S * D);
-        if (j + kAhead < n_kept) prefetch(kd + (bh * P + kept[j + kAhead]) * S * D, S * D);
-        prefetch(vd + first * D, S * D);  // values of this page, for the second pass
-        for (int64_t t = 0; t < S && kept[j] * S + t < limit; ++t) {
-          const float* kr = kd + (first + t) * D;
-          const int64_t n = static_cast<int64_t>(rows.size());
-          for (int64_t g = 0; g < G; ++g) scores[g * stride + n] = dot<kD>(qh + g * D, kr, D) * sc;
-          rows.push_back(first + t);
-        }
-      }
-      const int64_t n = static_cast<int64_t>(rows.size());
-      softmax_rows(scores.data(), G, stride, n);
-      float* oh = od + bh * G * D;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* vr = vd + rows[i] * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * stride + i];
-          float* og = oh + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) og[d] += w * vr[d];
-        }
-      }
-    }
-  });
-  return out;
+// The checks and pointers of a Step; `cache` is checked for dtype and layout, the reader checks its shape.
+Step make_step(const torch::Tensor& q, const torch::Tensor& cache, std::vector<torch::Tensor> marks,
+               const torch::Tensor& n_pages, const torch::Tensor& budget_pages, const torch::Tensor& total,
+               int64_t sink, int64_t recent, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(marks.size() == 1 || marks.size() == 2, "landmarks: [centroid] or [kmin, kmax]");
+  for (auto& m : marks) TORCH_CHECK(m.is_contiguous(), "landmarks must match the cache");
+  Step s;
+  s.q = q.contiguous();
+  s.n_pages = n_pages.contiguous(), s.budget = budget_pages.contiguous(), s.total = total.contiguous();
+  s.marks = std::move(marks);
+  s.rows = q.size(0), s.H = q.size(1), s.G = q.size(2), s.D = q.size(3);
+  s.sink = sink, s.recent = recent, s.quest = s.marks.size() == 2, s.scale = static_cast<float>(scale);
+  s.out = torch::zeros({s.rows, s.H, s.G, s.D}, q.options());
+  s.qd = s.q.data_ptr<float>();
+  s.m0 = s.marks[0].data_ptr<float>();
+  s.m1 = s.quest ? s.marks[1].data_ptr<float>() : nullptr;
+  s.npd = s.n_pages.data_ptr<int64_t>(), s.bpd = s.budget.data_ptr<int64_t>(), s.totd = s.total.data_ptr<int64_t>();
+  s.od = s.out.data_ptr<float>();
+  return s;
 }
 
-// The same step over vLLM's CPU paged cache, read in place. kv_cache [blocks, H, block, 2 D]: per (block, head),
-// the keys transposed ([D, block]: channel-major) then the values ([block, D]). Page p of request r is physical
-// page phys[r, p] = block * (block / S) + page within the block; marks are per physical page, [pages, H, D].
-template <int64_t kD>
-torch::Tensor paged_sparse_decode_impl(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor phys,
-                                       std::vector<torch::Tensor> marks, torch::Tensor n_pages,
-                                       torch::Tensor budget_pages, torch::Tensor total, int64_t page_size,
-                                       int64_t sink, int64_t recent, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(kv_cache.is_contiguous(), "cache must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = kD ? kD : q.size(3);
-  const int64_t block = kv_cache.size(2), S = page_size, per = block / S, P = phys.size(1);
-  TORCH_CHECK(block % S == 0 && kv_cache.size(3) == 2 * D, "cache layout does not match the page size");
-  const bool quest = marks.size() == 2;
-  auto qc = q.contiguous();
-  auto ph_t = phys.contiguous();
-  auto np_t = n_pages.contiguous(), bp_t = budget_pages.contiguous(), tot_t = total.contiguous();
-  for (auto& m : marks) TORCH_CHECK(m.is_contiguous() && m.size(1) == H, "landmarks must match the cache");
-  auto out = torch::zeros({R, H, G, D}, q.options());
-  const float* qd = qc.data_ptr<float>();
-  const float* cd = kv_cache.data_ptr<float>();
-  const float* m0 = marks[0].data_ptr<float>();
-  const float* m1 = quest ? marks[1].data_ptr<float>() : nullptr;
-  const int64_t* phd = ph_t.data_ptr<int64_t>();
-  const int64_t* npd = np_t.data_ptr<int64_t>();
-  const int64_t* bpd = bp_t.data_ptr<int64_t>();
-  const int64_t* totd = tot_t.data_ptr<int64_t>();
-  float* od = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t head_stride = 2 * block * D;
+// A page reader gives, for one (row, head), a Head with:
+//   mark(p)             page p's landmarks;
+//   score<kD>(...)      the scaled scores q_g . k_t * scale of page p's first `valid` tokens for the G queries,
+//                       into s[g * stride + t] (tile: scratch of S floats);
+//   values(p)           page p's values [S, D], token-major;
+//   prefetch(kept, j)   a hint before page kept[j] is scored.
+// and, per reader, slots() (page slots per row) and page_size().
 
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+// The native engine's cache: keys/values [B, H, P, S, D] and landmarks [B, H, P, D], page p of (row, head) at
+// (row H + head) P + p; keys token-major.
+struct ContiguousPages {
+  const float *keys, *vals, *m0, *m1;
+  int64_t H, P, S, D;
+
+  struct Head {
+    const float *k, *v, *m0, *m1;  // this (row, head)'s page 0
+    int64_t S, D;
+
+    Marks mark(int64_t p) const { return {m0 + p * D, m1 ? m1 + p * D : nullptr}; }
+    const float* page_keys(int64_t p) const { return k + p * S * D; }
+    const float* values(int64_t p) const { return v + p * S * D; }
+
+    // Keys kAhead pages ahead of use (the first pages at the start), and this page's values for the second pass.
+    void prefetch(const std::vector<int64_t>& kept, int64_t j) const {
+      const int64_t n_kept = static_cast<int64_t>(kept.size());
+      if (j == 0)
+        for (int64_t a = 1; a < std::min(kAhead, n_kept); ++a) ::prefetch(page_keys(kept[a]), S * D);
+      if (j + kAhead < n_kept) ::prefetch(page_keys(kept[j + kAhead]), S * D);
+      ::prefetch(values(kept[j]), S * D);
+    }
+
+    // One dot product per (token, query head).
+    template <int64_t kD>
+    void score(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
+               float*) const {
+      for (int64_t t = 0; t < valid; ++t) {
+        const float* kr = page_keys(p) + t * D;
+        for (int64_t g = 0; g < G; ++g) s[g * stride + t] = dot<kD>(qh + g * D, kr, D) * sc;
+      }
+    }
+  };
+
+  Head head(int64_t r, int64_t h) const {
+    const int64_t at = (r * H + h) * P;
+    return {keys + at * S * D, vals + at * S * D, m0 + at * D, m1 ? m1 + at * D : nullptr, S, D};
+  }
+  int64_t slots() const { return P; }
+  int64_t page_size() const { return S; }
+};
+
+// vLLM's CPU paged cache [blocks, H, block, 2 D]: per (block, head), the keys transposed ([D, block]: channel-major)
+// then the values ([block, D]). Page p of request r is physical page phys[r, p] = block * (block / S) + page within
+// the block; landmarks are per physical page, [pages, H, D].
+struct PagedPages {
+  const float *cache, *m0, *m1;
+  const int64_t* phys;  // [R, P]
+  int64_t H, P, S, D, block;
+
+  struct Head {
+    const float *cache, *m0, *m1;
+    const int64_t* pr;  // this request's physical pages
+    int64_t h, H, S, D, block;
+
+    Marks mark(int64_t p) const {
+      const int64_t at = (pr[p] * H + h) * D;
+      return {m0 + at, m1 ? m1 + at : nullptr};
+    }
+    // Page p's (block, head) slab [2 D block] and the page's first token within the block.
+    const float* slab(int64_t p) const { return cache + ((pr[p] / (block / S)) * H + h) * 2 * block * D; }
+    int64_t within(int64_t p) const { return (pr[p] % (block / S)) * S; }
+    const float* values(int64_t p) const { return slab(p) + block * D + within(p) * D; }
+
+    void prefetch(const std::vector<int64_t>&, int64_t) const {}  // not asked for: the keys are strided by block
+
+    // Channel by channel: S keys of one channel are one vector (key channel d of token t at kt[d * block + t]).
+    template <int64_t kD>
+    void score(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
+               float* tile) const {
+      const float* kt = slab(p) + within(p);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qh + g * D;
+        std::fill(tile, tile + S, 0.f);
+        for (int64_t d = 0; d < D; ++d) {
+          const float qv = qg[d];
+          const float* kd = kt + d * block;
+#pragma omp simd
+          for (int64_t t = 0; t < S; ++t) tile[t] += qv * kd[t];
+        }
+        for (int64_t t = 0; t < valid; ++t) s[g * stride + t] = tile[t] * sc;
+      }
+    }
+  };
+
+  Head head(int64_t r, int64_t h) const { return {cache, m0, m1, phys + r * P, h, H, S, D, block}; }
+  int64_t slots() const { return P; }
+  int64_t page_size() const { return S; }
+};
+
+// Steps 1-3 for every (row, kv head), reading the cache through `pages`. kD: the head dim when known at compile
+// time (64, 128), else 0 and read from the tensors.
+template <int64_t kD, class Pages>
+torch::Tensor decode(const Step& st, const Pages& pages) {
+  const int64_t H = st.H, G = st.G, D = kD ? kD : st.D, P = pages.slots(), S = pages.page_size();
+  at::parallel_for(0, st.rows * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> page_score(P), qmean(D), scores, tile(S);
     std::vector<int64_t> order(P), kept;
     for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / H, h = rh % H, np = npd[r], limit = totd[r];
-      const float* qh = qd + rh * G * D;
-      const int64_t* pr = phd + r * P;
-      auto mark = [&](int64_t p) {
-        const int64_t at = (pr[p] * H + h) * D;
-        return std::pair<const float*, const float*>(m0 + at, quest ? m1 + at : nullptr);
-      };
-      choose_pages<kD>(qh, G, D, np, std::min(bpd[r], np), sink, recent, quest, mark, page_score, order, qmean,
-                       kept);
-      const int64_t n_kept = static_cast<int64_t>(kept.size());
-      const int64_t stride = n_kept * S;
+      const int64_t r = rh / H, np = st.npd[r], limit = st.totd[r];
+      const float* qh = st.qd + rh * G * D;
+      const auto head = pages.head(r, rh % H);
+      auto mark = [&](int64_t p) { return head.mark(p); };
+      choose_pages<kD>(qh, G, D, np, std::min(st.bpd[r], np), st.sink, st.recent, st.quest, mark, page_score, order,
+                       qmean, kept);
+      // Tokens of kept page p (the last page may be partial).
+      auto valid = [&](int64_t p) { return std::clamp<int64_t>(limit - p * S, 0, S); };
+      const int64_t n_kept = static_cast<int64_t>(kept.size()), stride = n_kept * S;
       scores.assign(G * stride, 0.f);
-      auto head_base = [&](int64_t p) { return cd + ((pr[p] / per) * H + h) * head_stride; };
-      int64_t n = 0;  // tokens attended so far (the last page may be partial)
+      int64_t n = 0;  // tokens scored so far
       for (int64_t j = 0; j < n_kept; ++j) {
-        const int64_t p = kept[j], within = (pr[p] % per) * S;
-        const int64_t valid = std::min(S, limit - p * S);
-        const float* kt = head_base(p) + within;  // key channel d of token t at kt[d * block + t]
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qh + g * D;
-          std::fill(tile.begin(), tile.end(), 0.f);
-          for (int64_t d = 0; d < D; ++d) {
-            const float qv = qg[d];
-            const float* kd = kt + d * block;
-#pragma omp simd
-            for (int64_t t = 0; t < S; ++t) tile[t] += qv * kd[t];
-          }
-          float* s = scores.data() + g * stride + n;
-          for (int64_t t = 0; t < valid; ++t) s[t] = tile[t] * sc;
-        }
-        n += valid;
+        head.prefetch(kept, j);
+        head.template score<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride, tile.data());
+        n += valid(kept[j]);
       }
       softmax_rows(scores.data(), G, stride, n);
-      float* oh = od + rh * G * D;
+      // The weighted sum of the kept tokens' values, token by token in the order scored.
+      float* oh = st.od + rh * G * D;
       int64_t i = 0;
-      for (int64_t j = 0; j < n_kept; ++j) {
-        const int64_t p = kept[j], within = (pr[p] % per) * S;
-        const int64_t valid = std::min(S, limit - p * S);
-        const float* vp = head_base(p) + block * D + within * D;
-        for (int64_t t = 0; t < valid; ++t, ++i) {
+      for (const int64_t p : kept) {
+        const float* vp = head.values(p);
+        for (int64_t t = 0; t < valid(p); ++t, ++i) {
           const float* vr = vp + t * D;
           for (int64_t g = 0; g < G; ++g) {
             const float w = scores[g * stride + i];
@@ -255,33 +278,47 @@ torch::Tensor paged_sparse_decode_impl(torch::Tensor q, torch::Tensor kv_cache, 
       }
     }
   });
-  return out;
+  return st.out;
 }
 
+// decode<kD> with the head dim as a compile-time constant when it is a common one.
+template <class Pages>
+torch::Tensor decode_any_dim(const Step& st, const Pages& pages) {
+  switch (st.D) {
+    case 64: return decode<64>(st, pages);
+    case 128: return decode<128>(st, pages);
+    default: return decode<0>(st, pages);
+  }
+}
+
+// q [B, H, G, D]; keys/values [B, H, P, S, D]; marks: [centroid] or [kmin, kmax], each [B, H, P, D];
+// n_pages, budget_pages, total: [B] int64.
 torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::vector<torch::Tensor> marks,
                             torch::Tensor n_pages, torch::Tensor budget_pages, torch::Tensor total, int64_t sink,
                             int64_t recent, double scale) {
-  switch (q.size(3)) {
-    case 64: return sparse_decode_impl<64>(q, keys, values, marks, n_pages, budget_pages, total, sink, recent, scale);
-    case 128: return sparse_decode_impl<128>(q, keys, values, marks, n_pages, budget_pages, total, sink, recent, scale);
-    default: return sparse_decode_impl<0>(q, keys, values, marks, n_pages, budget_pages, total, sink, recent, scale);
-  }
+  const Step st = make_step(q, keys, std::move(marks), n_pages, budget_pages, total, sink, recent, scale);
+  TORCH_CHECK(values.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(values.is_contiguous(), "cache must be contiguous");
+  const int64_t P = keys.size(2);
+  for (auto& m : st.marks) TORCH_CHECK(m.size(2) == P, "landmarks must match the cache");
+  const ContiguousPages pages{keys.data_ptr<float>(), values.data_ptr<float>(), st.m0, st.m1, st.H, P,
+                              keys.size(3), st.D};
+  return decode_any_dim(st, pages);
 }
 
+// The same step over vLLM's CPU paged cache kv_cache [blocks, H, block, 2 D] (see PagedPages): q [R, H, G, D];
+// phys [R, P]; marks per physical page, [pages, H, D] each; n_pages, budget_pages, total: [R] int64.
 torch::Tensor paged_sparse_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor phys,
                                   std::vector<torch::Tensor> marks, torch::Tensor n_pages, torch::Tensor budget_pages,
                                   torch::Tensor total, int64_t page_size, int64_t sink, int64_t recent, double scale) {
-  switch (q.size(3)) {
-    case 64:
-      return paged_sparse_decode_impl<64>(q, kv_cache, phys, marks, n_pages, budget_pages, total, page_size, sink,
-                                          recent, scale);
-    case 128:
-      return paged_sparse_decode_impl<128>(q, kv_cache, phys, marks, n_pages, budget_pages, total, page_size, sink,
-                                           recent, scale);
-    default:
-      return paged_sparse_decode_impl<0>(q, kv_cache, phys, marks, n_pages, budget_pages, total, page_size, sink,
-                                         recent, scale);
-  }
+  const Step st = make_step(q, kv_cache, std::move(marks), n_pages, budget_pages, total, sink, recent, scale);
+  const int64_t block = kv_cache.size(2), S = page_size;
+  TORCH_CHECK(block % S == 0 && kv_cache.size(3) == 2 * st.D, "cache layout does not match the page size");
+  for (auto& m : st.marks) TORCH_CHECK(m.size(1) == st.H, "landmarks must match the cache");
+  const auto ph = phys.contiguous();
+  const PagedPages pages{kv_cache.data_ptr<float>(), st.m0, st.m1, ph.data_ptr<int64_t>(), st.H, ph.size(1), S,
+                         st.D, block};
+  return decode_any_dim(st, pages);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
