@@ -5,8 +5,9 @@
 (b) the fixed-shape decode path (graph_decode.py) captured in a CUDA graph, replayed on new inputs, against the
     eager path;
 (c) the step plan's time (plan.py) at batch 256 / 32K cached tokens on CUDA tensors;
-(d) if vLLM with CUDA imports: a tiny random Llama (head_dim 64) through vLLM with Sparrow's CUDA backend under
-    const:64, against our teacher-forced sparse forward (`sparse_completion_logits`), greedy and sampled;
+(d) if vLLM with CUDA imports: a tiny random Llama (head_dim 64, float32: vLLM picks Triton, wrapped) through vLLM
+    with Sparrow under const:64, against our teacher-forced sparse forward (`sparse_completion_logits`), greedy
+    and sampled; and which wrapper vLLM picks for float32 and bfloat16 (FlashAttention or FlashInfer);
 (e) decode tokens/s of a small random Llama at 8K cached / batch 8 with the plugin dense and sparse, with and
     without CUDA graphs (scripts/vllm_decode_throughput.py, one process each).
 Each step is guarded: a failure is recorded with its traceback and the rest still runs. Prints one JSON summary
@@ -297,7 +298,7 @@ def vllm_vs_teacher_forced():
 
     if not current_platform.is_cuda():
         raise RuntimeError(f"vLLM's platform here is {current_platform.device_name!r}, not CUDA")
-    from sparrow.vllm import cuda_attention, plugin
+    from sparrow.vllm import cuda_attention, plugin, wrapped
 
     schedule_env = {plugin_config.ENV_SCHEDULE: "const:64"}
     os.environ.update(schedule_env)
@@ -308,17 +309,17 @@ def vllm_vs_teacher_forced():
         os.environ.pop(plugin_config.ENV_SCHEDULE)
         load_general_plugins()  # once per process, with the schedule unset: a later call changes nothing
         plugin_config.activate(plugin_config.from_environment(schedule_env))
-        for member in (AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.TRITON_ATTN):
-            register_backend(member, "sparrow.vllm.cuda_attention.SparrowTritonAttentionBackend")
-        wiring = f"registered by this script over FLASH_ATTN and TRITON_ATTN (plugin.register: {err})"
+        for member in wrapped.WRAPPED:
+            register_backend(AttentionBackendEnum[member], wrapped.wrapper_path(member))
+        wiring = f"wrappers registered by this script (plugin.register: {err})"
     calls = {"sparse": 0}
-    kernel = cuda_attention.sparse_decode
+    kernel = wrapped.sparse_decode
 
     def counted(*args, **kwargs):
         calls["sparse"] += 1
         return kernel(*args, **kwargs)
 
-    cuda_attention.sparse_decode = counted
+    cuda_attention.sparse_decode = wrapped.sparse_decode = counted
     from sparrow.attention import SparseConfig
     from sparrow.attention.teacher_forced import sparse_completion_logits
     from sparrow.models import load_model
@@ -330,7 +331,12 @@ def vllm_vs_teacher_forced():
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (300, 517, 64, 700)]
     model, _ = load_model(path, device=DEVICE)
-    result = {"wiring": wiring}
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    result = {"wiring": wiring, "picked": {  # the wrapper vLLM picks here (float32: Triton; 16-bit: FA or FlashInfer)
+        str(dtype): current_platform.get_attn_backend_cls(None, AttentionSelectorConfig(
+            head_size=64, dtype=dtype, kv_cache_dtype="auto", block_size=None)) for dtype in (torch.float32,
+                                                                                             torch.bfloat16)}}
     for name, params in (("greedy", vllm.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)),
                          ("sampled", vllm.SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=1,
                                                          n=2, seed=5))):

@@ -1,4 +1,8 @@
-"""Sparrow's sparse decode as a vLLM CUDA attention backend: vLLM's Triton backend with the rule.
+"""Sparrow's sparse decode as a vLLM CUDA attention backend: vLLM's Triton backend with the rule, sub-batch style.
+
+The plugin registers the wrappers of wrapped.py (over whichever backend vLLM picks); this backend is the first
+design, kept as the reference the wrapped Triton backend is tested against, and `SparrowImplMixin` (refusals,
+landmarks) is shared by both.
 
 The step's plan is the CPU backend's (plan.py): sparse decoding requests go through our Triton kernel
 (triton_decode.py), every other request of the step, dense layers, and every step while the schedule is dense
@@ -115,7 +119,10 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
                                      plugin_config=config)
 
 
-class SparrowTritonAttentionImpl(TritonAttentionImpl):
+class SparrowImplMixin:
+    """What every Sparrow attention impl on CUDA adds to vLLM's (Triton, FlashAttention, FlashInfer: the same cache
+    layout and write): the refusals, the landmarks kept from the cache as it is written."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.landmarks: PageLandmarks | None = None
@@ -124,9 +131,10 @@ class SparrowTritonAttentionImpl(TritonAttentionImpl):
         if config is not None and self.attn_type == AttentionType.DECODER:
             unsupported = [name for name, present in (
                 ("ALiBi", self.alibi_slopes is not None), ("a sliding window", self.sliding_window != (-1, -1)),
-                ("attention sinks", self.sinks is not None), ("a logit soft cap", bool(self.logits_soft_cap)),
+                ("attention sinks", getattr(self, "sinks", None) is not None),
+                ("a logit soft cap", bool(self.logits_soft_cap)),
                 ("KV sharing between layers", self.kv_sharing_target_layer_name is not None),
-                ("chunked lookback", self.chunk_lookback > -1),
+                ("chunked lookback", getattr(self, "chunk_lookback", -1) > -1),
                 (f"a quantized KV cache ({self.kv_cache_dtype})", is_quantized_kv_cache(self.kv_cache_dtype)))
                 if present]
             if unsupported:
@@ -164,6 +172,8 @@ class SparrowTritonAttentionImpl(TritonAttentionImpl):
         if pages.numel():
             self.landmarks.update(pages, read(pages)[0])
 
+
+class SparrowTritonAttentionImpl(SparrowImplMixin, TritonAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         config = getattr(attn_metadata, "plugin_config", None)

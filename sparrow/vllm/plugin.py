@@ -2,9 +2,10 @@
 
 vLLM runs general plugins in every process it starts (the API server, the engine core, each worker), so this
 reads the environment, refuses a bad configuration with one message, and registers Sparrow's attention backend
-over the one vLLM picks for the platform: CPU_ATTN on CPU; on CUDA the backends vLLM selects by default
-(FlashAttention; FlashInfer on Blackwell; Triton as fallback), so that nothing has to be passed to `LLM(...)`.
-The CUDA path has not run on a GPU yet (scripts/vllm_device_check.py checks it on a lent machine).
+over the one vLLM picks for the platform: CPU_ATTN on CPU; on CUDA a wrapper (wrapped.py) over each backend vLLM
+may pick for decoder attention (FlashAttention; FlashInfer on Blackwell; Triton as fallback). Each wrapper
+validates as the backend it wraps, so vLLM's priority order picks the backend it would have picked, and nothing
+has to be passed to `LLM(...)`. The CUDA path has not run on a GPU yet (scripts/vllm_device_check.py checks it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from .config import activate, from_environment
 
 CPU_BACKEND = "sparrow.vllm.cpu_attention.SparrowCPUAttentionBackend"
-CUDA_BACKEND = "sparrow.vllm.cuda_attention.SparrowTritonAttentionBackend"
 
 
 def register() -> None:
@@ -28,9 +28,10 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     elif current_platform.is_cuda():
-        for member in (AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.FLASHINFER,
-                       AttentionBackendEnum.TRITON_ATTN):
-            register_backend(member, CUDA_BACKEND)
+        from .wrapped import WRAPPED, wrapper_path
+
+        for member in WRAPPED:
+            register_backend(AttentionBackendEnum[member], wrapper_path(member))
     else:
         raise SparrowError(f"Sparrow's vLLM plugin supports CPU and CUDA, not {current_platform.device_name!r}; "
                            "unset SPARROW_VLLM_SCHEDULE to run stock vLLM")
