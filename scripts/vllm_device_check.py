@@ -298,7 +298,7 @@ def vllm_vs_teacher_forced():
 
     if not current_platform.is_cuda():
         raise RuntimeError(f"vLLM's platform here is {current_platform.device_name!r}, not CUDA")
-    from sparrow.vllm import cuda_attention, plugin, wrapped
+    from sparrow.vllm import plugin, wrapped
 
     schedule_env = {plugin_config.ENV_SCHEDULE: "const:64"}
     os.environ.update(schedule_env)
@@ -319,7 +319,7 @@ def vllm_vs_teacher_forced():
         calls["sparse"] += 1
         return kernel(*args, **kwargs)
 
-    cuda_attention.sparse_decode = wrapped.sparse_decode = counted
+    wrapped.sparse_decode = counted
     from sparrow.attention import SparseConfig
     from sparrow.attention.teacher_forced import sparse_completion_logits
     from sparrow.models import load_model

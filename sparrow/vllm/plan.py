@@ -1,5 +1,6 @@
 """The plan of one engine step, shared by the CPU and CUDA backends: which requests decode sparsely, their pages and
-budgets, and the sub-batch of the other requests that vLLM's own kernel attends.
+budgets, and what vLLM's own kernel attends of the others (CPU: a sub-batch of them; CUDA: every request, the sparse
+ones one token long).
 
 A request decodes sparsely when it computes one generated token (query length 1 and past its prompt, vLLM's
 `is_prefilling`, so a one-token prompt tail left by prefix caching is prefill) and the schedule's budget at its
@@ -8,7 +9,8 @@ cached length (counting the new token) is below the pages it holds: our engine's
 The metadata builder makes the plan once per step, for all layers. The decision reads only vLLM's host-side copies
 of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with tensor operations and no
 Python loop over requests; the per-request results travel to the device in one host-to-device copy, and the page
-table is gathered there from vLLM's block table. Nothing is read back from the device.
+table is gathered there from vLLM's block table. Nothing is read back from the device. The decision is made here
+only: the backends read it from the plan.
 """
 
 from __future__ import annotations
@@ -28,30 +30,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class StockRows:
-    """The requests of a step that vLLM's kernel attends (prefills, chunked-prefill pieces, covered decodes): their
-    rows and tokens in the batch (device), query starts of the sub-batch (host and device), their cached lengths on
-    the host, and the longest query and cached length."""
+    """The requests of a step that vLLM's kernel attends as a sub-batch (prefills, chunked-prefill pieces, covered
+    decodes; the CPU backend): their rows and tokens in the batch and the query starts of the sub-batch (device)."""
 
     rows: torch.Tensor
     tokens: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
     query_start_loc: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
 
 
 @dataclass
 class SparsePlan:
     """The sparse decoding requests of a step (S of them, on the device): the index of each one's token in the
     batch, physical pages of its pages [S, P], cached tokens counting the new one, pages held and budget in pages;
-    `stock` the rest of the batch (None if empty)."""
+    on the host, the cached length vLLM's kernel is given for each request of the step [R] (its own; 1 for a sparse
+    request, which vLLM's kernel then attends one token of); `stock` the other requests as a sub-batch (None if
+    there are none or none was asked for)."""
 
     tokens: torch.Tensor
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     n_pages: torch.Tensor
     budget_pages: torch.Tensor
+    stock_seq_lens_cpu: torch.Tensor
     stock: StockRows | None
 
 
@@ -76,8 +76,10 @@ def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, is_prefilling:
     return sparse, n_pages, budget
 
 
-def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, block_size: int) -> SparsePlan | None:
-    """The plan of the step `cm` under `schedule` (None: no request decodes sparsely, the step is stock vLLM's)."""
+def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, block_size: int,
+              sub_batch: bool = True) -> SparsePlan | None:
+    """The plan of the step `cm` under `schedule` (None: no request decodes sparsely, the step is stock vLLM's);
+    `sub_batch`: with the other requests as a sub-batch (`SparsePlan.stock`)."""
     num_reqs = cm.num_reqs
     starts = cm.query_start_loc_cpu[: num_reqs + 1].long()
     query_lens = starts[1:] - starts[:-1]
@@ -87,23 +89,24 @@ def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, b
     rows = torch.nonzero(sparse).flatten()
     if not rows.numel():
         return None
-    stock_rows = torch.nonzero(~sparse).flatten()
-    stock_tokens = _stock_tokens(starts, rows)
-    stock_starts = torch.zeros(stock_rows.numel() + 1, dtype=torch.long)
-    torch.cumsum(query_lens[stock_rows], 0, out=stock_starts[1:])
-    host = (starts[rows], rows, seq_lens[rows], n_pages[rows], budget[rows], stock_rows, stock_tokens, stock_starts)
+    host = [starts[rows], rows, seq_lens[rows], n_pages[rows], budget[rows]]
+    stock_rows = torch.nonzero(~sparse).flatten() if sub_batch else rows[:0]
+    with_stock = bool(stock_rows.numel())
+    if with_stock:
+        stock_starts = torch.zeros(stock_rows.numel() + 1, dtype=torch.long)
+        torch.cumsum(query_lens[stock_rows], 0, out=stock_starts[1:])
+        host += [stock_rows, _stock_tokens(starts, rows), stock_starts]
     device = cm.block_table_tensor.device
     moved = torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host])
-    tokens, rows_d, seq_d, n_pages_d, budget_d, stock_rows_d, stock_tokens_d, stock_starts_d = moved
+    tokens, rows_d, seq_d, n_pages_d, budget_d = moved[:5]
     num_pages = int(n_pages[rows].max())
     blocks = -(-num_pages * page_size // block_size)
     page_table = physical_pages(cm.block_table_tensor[:, :blocks][rows_d], num_pages, block_size, page_size)
     stock = None
-    if stock_rows.numel():
-        stock = StockRows(stock_rows_d, stock_tokens_d, stock_starts.to(cm.query_start_loc_cpu.dtype),
-                          stock_starts_d.to(cm.query_start_loc.dtype), seq_lens[stock_rows],
-                          int(query_lens[stock_rows].max()), int(seq_lens[stock_rows].max()))
-    return SparsePlan(tokens, page_table, seq_d, n_pages_d, budget_d, stock)
+    if with_stock:
+        stock_rows_d, stock_tokens_d, stock_starts_d = moved[5:]
+        stock = StockRows(stock_rows_d, stock_tokens_d, stock_starts_d.to(cm.query_start_loc.dtype))
+    return SparsePlan(tokens, page_table, seq_d, n_pages_d, budget_d, torch.where(sparse, 1, seq_lens), stock)
 
 
 def _stock_tokens(starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@ configuration checks and kernels stay the wrapped one's, so vLLM's choice is unc
 wrapper over each member, and vLLM's priority order then finds the same backend valid). Per step:
 
 - The builder makes the step's plan (plan.py) from vLLM's host copies, then calls the wrapped builder ONCE, on the
-  whole batch, with the sparse decoding requests' cached lengths set to 1 (device and host copies; no cascade
-  prefix). Every other request's metadata is what the wrapped builder makes of it, and a sparse request costs the
-  wrapped kernel one token instead of its whole context. (A sub-batch would need the wrapped builder's metadata
-  for part of the batch; FlashInfer plans into state shared by the builder, so one build per step is the safe way.)
+  whole batch, with the sparse decoding requests' cached lengths set to 1 (the plan's `stock_seq_lens_cpu`, on the
+  device and host copies; no cascade prefix). Every other request's metadata is what the wrapped builder makes of
+  it, and a sparse request costs the wrapped kernel one token instead of its whole context. (A sub-batch would
+  need the wrapped builder's metadata for part of the batch; FlashInfer plans into state shared by the builder, so
+  one build per step is the safe way.)
 - The impl runs the wrapped forward on the whole batch, then overwrites the sparse requests' rows: in sparse layers
   with our sparse decode, in dense layers with our kernel on all of the request's pages (exact attention, as the
   wrapped kernel never saw their context). So every layer is exact; the sparse rows cost one token of the wrapped
@@ -17,6 +18,11 @@ wrapper over each member, and vLLM's priority order then finds the same backend 
   (graph_decode.py): per-request budgets and the lengths the wrapped kernel is given (1 where ours attends) in
   buffers of fixed address, written on the device; ours runs on the whole batch and each row keeps its owner's
   output. The builder declares the lower of the wrapped builder's support and UNIFORM_SINGLE_TOKEN_DECODE.
+- Every impl also refuses what the rule cannot be exact under (ALiBi, sliding windows, sinks, soft caps, KV sharing,
+  a quantized cache) and keeps, per layer, the landmarks of each physical page, computed from the cache when the
+  page's last slot is written (so prefix-cached blocks keep theirs); landmark updates of up to
+  FIXED_UPDATE_TOKENS slots, and any under capture, take the fixed-shape update, so capture and replay run the
+  same code.
 """
 
 from __future__ import annotations
@@ -25,22 +31,27 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.import_utils import resolve_obj_by_qualname
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from sparrow.errors import SparrowError
 
 from .checks import check_engine, check_sparse_config
 from .config import PluginConfig, active
-from .cuda_attention import SparrowImplMixin, graph_buffers
-from .graph_decode import DecodeGraphPlan, graph_sparse_decode
-from .paged import physical_pages
-from .plan import SparsePlan, host_seq_lens, plan_step, sparse_rows
-from .triton_decode import paged_sparse_attention, sparse_decode
+from .graph_decode import DecodeGraphBuffers, DecodeGraphPlan, graph_sparse_decode, largest_budget_pages
+from .paged import PageLandmarks, filled_pages, physical_pages
+from .plan import SparsePlan, plan_step
+from .triton_decode import page_reader, paged_sparse_attention, sparse_decode
 
 WRAPPED = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # the members vLLM 0.32 picks on CUDA for decoder attention
 OURS = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 PREFIX = "Sparrow_"
+FIXED_UPDATE_TOKENS = 1024  # landmark updates of at most this many slots use the fixed-shape (capturable) update
+_FULL_GRAPH_MODES = (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL)
 
 
 @dataclass
@@ -73,16 +84,22 @@ def eager_step(config: PluginConfig, cm: CommonAttentionMetadata, block_size: in
     leaves alone: multimodal prefix ranges, non-causal attention)."""
     if config.schedule.is_dense or cm.mm_req_doc_ranges is not None or cm.causal is not True:
         return None
-    page_size = config.sparse.page_size
-    starts = cm.query_start_loc_cpu[: cm.num_reqs + 1].long()
-    seq_lens = host_seq_lens(cm).long()
-    prefilling = None if cm.is_prefilling is None else cm.is_prefilling[: cm.num_reqs].cpu().bool()
-    sparse = sparse_rows(starts[1:] - starts[:-1], seq_lens, prefilling, config.schedule, page_size)[0]
-    if not bool(sparse.any()):
+    plan = plan_step(cm, config.schedule, config.sparse.page_size, block_size, sub_batch=False)
+    if plan is None:
         return None
-    plan = plan_step(cm, config.schedule, page_size, block_size)
     step = SparrowStep(config, cm.seq_lens, cm.block_table_tensor, plan=plan)
-    return step, reduced(cm, torch.where(sparse, 1, seq_lens))
+    return step, reduced(cm, plan.stock_seq_lens_cpu)
+
+
+def graph_buffers(vllm_config, config: PluginConfig, device) -> DecodeGraphBuffers | None:
+    """The buffers of the fixed-shape decode path when vLLM captures full decode graphs and the schedule the engine
+    starts with is sparse (its largest budget sets the slots kept)."""
+    compilation = vllm_config.compilation_config
+    slots = largest_budget_pages(config.schedule, config.sparse.page_size)
+    if compilation.cudagraph_mode not in _FULL_GRAPH_MODES or not slots:
+        return None
+    requests = max([vllm_config.scheduler_config.max_num_seqs, *(compilation.cudagraph_capture_sizes or [])])
+    return DecodeGraphBuffers(requests, slots, device)
 
 
 class SparrowBuilderMixin:
@@ -125,8 +142,59 @@ def all_pages(n_pages: torch.Tensor, kv_heads: int, num_pages: int) -> torch.Ten
     return pages.unsqueeze(1).expand(-1, kv_heads, -1)
 
 
-class SparrowWrappedImplMixin(SparrowImplMixin):
-    """The wrapped forward on the whole batch, then the sparse requests' rows from our kernel."""
+class SparrowImplMixin:
+    """What Sparrow adds to the wrapped impl (FlashAttention, FlashInfer, Triton: the same cache layout and write):
+    the refusals, the landmarks kept from the cache as it is written, and the sparse requests' rows from our kernel
+    after the wrapped forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.landmarks: PageLandmarks | None = None
+        config = active()
+        self.sparse = None if config is None else config.sparse  # fixed for the engine; the schedule is not
+        if config is not None and self.attn_type == AttentionType.DECODER:
+            unsupported = [name for name, present in (
+                ("ALiBi", self.alibi_slopes is not None), ("a sliding window", self.sliding_window != (-1, -1)),
+                ("attention sinks", getattr(self, "sinks", None) is not None),
+                ("a logit soft cap", bool(self.logits_soft_cap)),
+                ("KV sharing between layers", self.kv_sharing_target_layer_name is not None),
+                ("chunked lookback", getattr(self, "chunk_lookback", -1) > -1),
+                (f"a quantized KV cache ({self.kv_cache_dtype})", is_quantized_kv_cache(self.kv_cache_dtype)))
+                if present]
+            if unsupported:
+                raise SparrowError(f"Sparrow's vLLM plugin does not support attention with {', '.join(unsupported)}"
+                                   "; unset SPARROW_VLLM_SCHEDULE to run this model with stock vLLM")
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        return False  # our kernel writes the attention output unquantized
+
+    def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value caches [blocks, block, Hkv, D] of a layer's cache [blocks, Hkv, block, 2 D], as vLLM's."""
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        return key_cache, value_cache
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        self.update_landmarks(kv_cache, slot_mapping)
+
+    def update_landmarks(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Landmarks of the pages whose last slot `slot_mapping` just wrote, from the cache."""
+        sparse = self.sparse
+        if sparse is None or self.attn_type != AttentionType.DECODER or not kv_cache.numel():
+            return
+        blocks, kv_heads, block, _ = kv_cache.shape
+        num_pages = blocks * (block // sparse.page_size)
+        if self.landmarks is None or self.landmarks.num_pages != num_pages:
+            self.landmarks = PageLandmarks(sparse, num_pages, kv_heads, self.head_size, kv_cache.dtype,
+                                           kv_cache.device)
+        read = page_reader(*self.caches(kv_cache), sparse.page_size)
+        capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
+        if slot_mapping.numel() <= FIXED_UPDATE_TOKENS or capturing:
+            self.landmarks.update_slots(slot_mapping, read, sparse.page_size)
+            return
+        pages = filled_pages(slot_mapping, sparse.page_size)
+        if pages.numel():
+            self.landmarks.update(pages, read(pages)[0])
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -179,7 +247,7 @@ def wrap(base: type, name: str | None = None) -> type:
     name = name or PREFIX + base.__name__
     builder = type(PREFIX + base.get_builder_cls().__name__, (SparrowBuilderMixin, base.get_builder_cls()),
                    {"__module__": __name__})
-    impl = type(PREFIX + base.get_impl_cls().__name__, (SparrowWrappedImplMixin, base.get_impl_cls()),
+    impl = type(PREFIX + base.get_impl_cls().__name__, (SparrowImplMixin, base.get_impl_cls()),
                 {"__module__": __name__})
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": f"Sparrow over {base.__name__}.",
                  "wrapped": base, "get_impl_cls": staticmethod(lambda: impl),

@@ -1,5 +1,6 @@
 """The CUDA backend's fixed-shape decode path (graph_decode.py), which vLLM captures in CUDA graphs, on CPU under
-Triton's interpreter: it equals the eager path request for request, and its landmark update the eager update.
+Triton's interpreter: it equals the eager path and the PyTorch reference request for request, and its landmark
+update the eager update (the backend's forward on this path: test_vllm_wrapped.py).
 
 The interpreter needs TRITON_INTERPRET=1 before triton.language is imported; test_vllm_triton.py sets it and, when
 triton was imported earlier, reruns its tests in a child process; this module does the same with its own.
@@ -9,23 +10,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sparrow.attention import SparseConfig
 from sparrow.attention.selection import select_pages
 from sparrow.errors import SparrowError
 from sparrow.schedules import const, parse_schedule
-from sparrow.vllm import config as plugin_config
 from sparrow.vllm.paged import PageLandmarks, filled_pages, reference_decode
 from tests.rollout.test_vllm_triton import (
     INTERPRETED,
     PS,
     Batch,
     _common_metadata,
-    _triton_metadata,
     interpreted,
 )
 
@@ -37,15 +34,6 @@ if INTERPRETED:
         select_slots,
     )
     from sparrow.vllm.triton_decode import page_reader, sparse_decode
-
-
-@pytest.fixture
-def cuda_backend():
-    pytest.importorskip("vllm")
-    from sparrow.vllm import cuda_attention
-
-    yield cuda_attention
-    plugin_config.activate(None)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
@@ -137,49 +125,6 @@ def test_the_graph_buffers_mark_sparse_requests_and_refuse_a_larger_budget():
     assert buffers.fill(cm, parse_schedule("dense"), PS).budget_pages.tolist() == [0, 0, 0, 0]
     with pytest.raises(SparrowError, match="captured for 64"):
         buffers.fill(cm, const(128), PS)
-
-
-@interpreted
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_the_backends_graph_forward_equals_its_eager_forward(cuda_backend, landmark):
-    """One uniform decode step through the impl both ways: requests 0 and 2 sparse, 1 covered, 3 a one-token prompt
-    tail; vLLM's kernel stands in as a dense reference reading the cached lengths it is given."""
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
-    batch = Batch([300, 40, 513, 200], 2, 2, 64, 32, landmark=landmark)
-    impl = cuda_backend.SparrowTritonAttentionImpl(4, 64, batch.scale, 2, None, None, "auto")
-    impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
-    read = page_reader(batch.key_cache, batch.value_cache, PS)
-
-    def stock(self, layer, query, key, value, kv_cache, meta, output, *args):
-        rows = meta.seq_lens.shape[0]
-        table = batch.page_table[(meta.block_table[:, :1] == batch.block_table[:, :1].T).int().argmax(-1)]
-        n_pages = (meta.seq_lens.long() + PS - 1) // PS
-        q = query[:rows].view(rows, 2, 2, 64)
-        out = reference_decode(q, read, table, batch.landmarks, meta.seq_lens, n_pages, batch.sparse, batch.scale)
-        return output.copy_(out.reshape(output.shape))
-
-    cm = _common_metadata([1, 1, 1, 1], batch.lengths, batch.block_table, batch.slot_mapping[:4])
-    cm.is_prefilling = torch.tensor([False, False, False, True])
-    query = batch.queries.reshape(4, 4, 64)
-    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(TritonAttentionImpl, "forward", stock)
-        plan, stock_meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
-        assert plan.tokens.tolist() == [0, 2]
-        eager = impl.forward(layer, query, None, None, batch.kv_cache,
-                             _triton_metadata(cuda_backend, cm, sparse_plan=plan, stock_metadata=stock_meta,
-                                              plugin_config=plugin_config.active()),
-                             torch.zeros(4, 4, 64))
-        graph_plan = cuda_backend.DecodeGraphBuffers(8, 4, "cpu").fill(cm, const(64), PS)
-        graph = impl.forward(layer, query, None, None, batch.kv_cache,
-                             _triton_metadata(cuda_backend, cm, decode_graph=graph_plan,
-                                              plugin_config=plugin_config.active()), torch.zeros(4, 4, 64))
-    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
-    dense = stock(None, None, query, None, None, None, _triton_metadata(cuda_backend, cm), torch.zeros(4, 4, 64))
-    assert (graph[[0, 2]] - dense[[0, 2]]).abs().max() > 1e-3  # the sparse rows really are sparse
-    torch.testing.assert_close(graph[[1, 3]], dense[[1, 3]], atol=1e-5, rtol=1e-5)
 
 
 @interpreted

@@ -63,17 +63,17 @@ def test_the_plan_is_the_rule_per_request(seed):
     for i, r in enumerate(rows):
         pages = -(-seq_lens[r] // PS)
         assert plan.page_table[i, :pages].tolist() == [int(table[r, p // 2]) * 2 + p % 2 for p in range(pages)]
+    assert plan.stock_seq_lens_cpu.tolist() == [1 if s else n for s, n in zip(sparse, seq_lens)]
     others = [r for r, s in enumerate(sparse) if not s]
     stock = plan.stock
     assert stock.rows.tolist() == others
     assert stock.tokens.tolist() == [t for r in others for t in range(starts[r], starts[r + 1])]
-    assert stock.query_start_loc_cpu.tolist() == [sum(query_lens[r] for r in others[:i]) for i in
-                                                  range(len(others) + 1)]
-    assert stock.query_start_loc.dtype == torch.int32 and stock.query_start_loc.tolist() == \
-        stock.query_start_loc_cpu.tolist()
-    assert stock.seq_lens_cpu.tolist() == [seq_lens[r] for r in others]
-    assert (stock.max_query_len, stock.max_seq_len) == (max(query_lens[r] for r in others),
-                                                        max(seq_lens[r] for r in others))
+    assert stock.query_start_loc.dtype == torch.int32
+    assert stock.query_start_loc.tolist() == [sum(query_lens[r] for r in others[:i]) for i in range(len(others) + 1)]
+    whole = plan_step(step(query_lens, seq_lens, prefilling, host_only=True), schedule, PS, 32, sub_batch=False)
+    assert whole.stock is None  # the CUDA backend's plan: the same decision, no sub-batch
+    for name in ("tokens", "page_table", "seq_lens", "n_pages", "budget_pages", "stock_seq_lens_cpu"):
+        assert torch.equal(getattr(whole, name), getattr(plan, name)), name
 
 
 def test_no_sparse_request_or_a_dense_schedule_is_no_plan():

@@ -1,5 +1,5 @@
 """The GPU path of the vLLM plugin, on CPU: the Triton kernel under Triton's interpreter against its PyTorch
-reference and against `paged.reference_decode`, and the CUDA backend's plan, landmarks and sparse forward.
+reference and against `paged.reference_decode` (the CUDA backend that runs it: test_vllm_wrapped.py).
 
 Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors with numpy, but only if the variable is set
 before `triton.language` is imported: its own helpers (tl.zeros, tl.max, tl.sum) are decorated then. The suite's
@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +22,6 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction
 
 from sparrow.attention import SparseConfig
-from sparrow.schedules import const
-from sparrow.vllm import config as plugin_config
 from sparrow.vllm.paged import (
     PageLandmarks,
     filled_pages,
@@ -158,34 +155,7 @@ def test_the_kernel_takes_half_precision():
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
-# -- the CUDA backend, importable on CPU -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cuda_backend():
-    pytest.importorskip("vllm")
-    from sparrow.vllm import cuda_attention
-
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(), const(64)))
-    yield cuda_attention
-    plugin_config.activate(None)
-
-
-def test_the_backend_validates_where_vllm_would_pick_flash_attention(cuda_backend):
-    from vllm.platforms.interface import DeviceCapability
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
-    from vllm.v1.attention.selector import AttentionSelectorConfig
-
-    backend = cuda_backend.SparrowTritonAttentionBackend
-    assert issubclass(backend, TritonAttentionBackend)
-    assert backend.get_impl_cls() is cuda_backend.SparrowTritonAttentionImpl
-    assert backend.get_builder_cls().get_cudagraph_support(None, None).name == "UNIFORM_SINGLE_TOKEN_DECODE"
-    for dtype in (torch.float32, torch.bfloat16):
-        for block in (16, 32):
-            config = AttentionSelectorConfig(head_size=64, dtype=dtype, kv_cache_dtype="auto", block_size=block)
-            assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **config._asdict()) == []
-    fp8 = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="fp8", block_size=16)
-    assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **fp8._asdict())
+# -- vLLM's per-step metadata, for the CUDA backend's tests -------------------------------------------------
 
 
 def _common_metadata(query_lens, seq_lens, block_table, slot_mapping):
@@ -197,77 +167,3 @@ def _common_metadata(query_lens, seq_lens, block_table, slot_mapping):
         query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         num_reqs=len(query_lens), num_actual_tokens=int(starts[-1]), max_query_len=max(query_lens),
         max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping)
-
-
-def _triton_metadata(cuda_backend, cm, **extra):
-    segments = torch.empty(0)
-    return cuda_backend.SparrowTritonMetadata(
-        num_actual_tokens=cm.num_actual_tokens, max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
-        max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-        slot_mapping=cm.slot_mapping, seq_threshold_3D=8, num_par_softmax_segments=16,
-        softmax_segm_output=segments, softmax_segm_max=segments, softmax_segm_expsum=segments, causal=True, **extra)
-
-
-def test_the_plan_sends_long_decodes_to_the_kernel_and_the_rest_to_vllms_kernel(cuda_backend):
-    """Budget 64 tokens = 4 pages: requests 0 and 2 decode sparsely; request 1 (3 pages) decodes densely and
-    request 3 is a prefill chunk of 5 tokens; the stock sub-batch holds exactly their tokens and metadata."""
-    block_table = torch.arange(40, dtype=torch.int32).view(4, 10)
-    cm = _common_metadata([1, 1, 1, 5], [300, 40, 100, 80], block_table, torch.arange(8))
-    plan, meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm), 32)
-    assert plan.tokens.tolist() == [0, 2]
-    assert plan.seq_lens.tolist() == [300, 100] and plan.budget_pages.tolist() == [4, 4]
-    assert plan.page_table.shape == (2, 19)
-    assert plan.page_table[1, :7].tolist() == [40, 41, 42, 43, 44, 45, 46]  # request 2: blocks 20.. of 2 pages
-    assert plan.stock.tokens.tolist() == [1, 3, 4, 5, 6, 7]
-    assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [40, 80]
-    assert meta.block_table[:, 0].tolist() == [10, 30] and meta.slot_mapping.tolist() == [1, 3, 4, 5, 6, 7]
-    assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (6, 5, 80)
-    assert meta.sparse_plan is None
-    dense_cm = _common_metadata([1, 5], [40, 80], block_table[:2], torch.arange(6))
-    assert cuda_backend.eager_plan(plugin_config.active(), dense_cm, _triton_metadata(cuda_backend, dense_cm),
-                                   32) is None
-
-
-@interpreted
-@pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_the_backend_keeps_landmarks_and_decodes_as_the_reference(cuda_backend, landmark):
-    """The impl's landmarks from the cache as slots are written (prompt, then one decode token per request), and
-    its forward on a batch of sparse decodes equal `paged.reference_decode`; a dense layer is left to vLLM."""
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
-    batch = Batch([300, 97, 513], 2, 2, 64, 32, landmark=landmark)
-    impl = cuda_backend.SparrowTritonAttentionImpl(4, 64, batch.scale, 2, None, None, "auto")
-    prompt = torch.cat([batch.slots(r, torch.arange(n - 1)) for r, n in enumerate(batch.lengths)])
-    impl.update_landmarks(batch.kv_cache, prompt)
-    last = torch.stack([batch.slots(r, torch.tensor(n - 1)) for r, n in enumerate(batch.lengths)])
-    impl.update_landmarks(batch.kv_cache, last)  # request 1's token 96 fills its page 5
-    for store, mine in zip(batch.landmarks.tensors, impl.landmarks.tensors):
-        torch.testing.assert_close(mine, store)
-    cm = _common_metadata([1, 1, 1], batch.lengths, batch.block_table, last)
-    plan, stock_meta = cuda_backend.eager_plan(plugin_config.active(), cm, _triton_metadata(cuda_backend, cm),
-                                               batch.block)
-    assert plan.stock is None and stock_meta is None and plan.tokens.tolist() == [0, 1, 2]
-    meta = _triton_metadata(cuda_backend, cm, sparse_plan=plan, plugin_config=plugin_config.active())
-    query = batch.queries.reshape(3, 4, 64)
-    output = torch.zeros(3, 4, 64)
-    impl.forward(SimpleNamespace(layer_name="model.layers.3.self_attn.attn"), query, None, None, batch.kv_cache,
-                 meta, output)
-    ref = reference_decode(batch.queries, page_reader(batch.key_cache, batch.value_cache, PS), batch.page_table,
-                           batch.landmarks, batch.seq_lens, plan.budget_pages, batch.sparse, batch.scale)
-    torch.testing.assert_close(output.view(3, 2, 2, 64), ref, atol=1e-5, rtol=1e-5)
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-
-    def stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
-        return output.fill_(7.0)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(TritonAttentionImpl, "forward", stock)
-        dense = impl.forward(SimpleNamespace(layer_name="model.layers.1.self_attn.attn"), query, None, None,
-                             batch.kv_cache, meta, torch.zeros(3, 4, 64))
-    assert bool((dense == 7.0).all())  # a dense layer goes to vLLM's kernel whole
-
-
-def test_the_backend_refuses_attention_it_cannot_make_sparse(cuda_backend):
-    from sparrow.errors import SparrowError
-
-    with pytest.raises(SparrowError, match="a sliding window, a logit soft cap"):
-        cuda_backend.SparrowTritonAttentionImpl(4, 64, 0.125, 2, None, 128, "auto", logits_soft_cap=30.0)

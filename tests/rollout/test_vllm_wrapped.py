@@ -1,9 +1,11 @@
 """The wrapper of vLLM's CUDA backends (wrapped.py) on CPU: the registration and selection logic with vLLM's registry
-(no CUDA-only module imported), and, under Triton's interpreter, vLLM's Triton backend wrapped against the
-sub-batch backend of cuda_attention.py on a step with sparse, covered and prefill requests, eager and fixed-shape.
+(no CUDA-only module imported), the builder's plan and the metadata it gives the wrapped builder, the impl's
+refusals and landmarks, and, under Triton's interpreter, vLLM's Triton backend wrapped against the PyTorch
+references (`paged.reference_decode` for the sparse rows, dense causal attention for the others and for dense
+layers) on steps with sparse, covered, prefill-chunk and prompt-tail requests, eager and fixed-shape.
 
-vLLM's Triton kernel does not run on CPU; as in test_vllm_graph.py a dense causal reference reading the metadata it
-is given (query starts, cached lengths, block table) stands in for it, in both backends.
+vLLM's Triton kernel does not run on CPU; a dense causal reference reading the metadata it is given (query starts,
+cached lengths, block table) stands in for it.
 """
 
 import os
@@ -16,9 +18,11 @@ import pytest
 import torch
 
 from sparrow.attention import SparseConfig
+from sparrow.errors import SparrowError
 from sparrow.schedules import const
 from sparrow.vllm import config as plugin_config
-from tests.rollout.test_vllm_triton import INTERPRETED, Batch, _common_metadata, _triton_metadata, interpreted
+from sparrow.vllm.paged import reference_decode
+from tests.rollout.test_vllm_triton import INTERPRETED, PS, Batch, _common_metadata, interpreted
 
 vllm = pytest.importorskip("vllm")
 
@@ -30,8 +34,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from sparrow.vllm import cuda_attention, plugin, wrapped
+from sparrow.vllm import plugin, wrapped
 from sparrow.vllm.graph_decode import DecodeGraphBuffers
+from sparrow.vllm.triton_decode import page_reader
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
@@ -111,6 +116,10 @@ def test_each_wrapper_wraps_vllms_class_for_its_member_and_validates_as_it(monke
         assert reasons == TritonAttentionBackend.validate_configuration(device_capability=DeviceCapability(9, 0),
                                                                         **config)
         assert bool(reasons) == (head_size == 16)
+    for dtype in (torch.float32, torch.bfloat16):  # where vLLM would pick FlashAttention, Triton validates too
+        for block in (16, 32):
+            config = AttentionSelectorConfig(head_size=64, dtype=dtype, kv_cache_dtype="auto", block_size=block)
+            assert wrapper.validate_configuration(device_capability=DeviceCapability(9, 0), **config._asdict()) == []
 
 
 def test_importing_the_wrapper_module_imports_no_cuda_backend():
@@ -136,7 +145,7 @@ def test_the_wrapper_declares_the_lower_cuda_graph_support(theirs, declared):
     assert backend.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport[declared]
 
 
-# -- the wrapped Triton backend against the sub-batch backend, under the interpreter --------------------------------
+# -- the builder and the impl without a kernel ----------------------------------------------------------------------
 
 
 def _stock(batch):
@@ -170,6 +179,60 @@ def _builder(graph_buffers=None):
     return builder
 
 
+def _impl(batch):
+    return wrapped.wrap(TritonAttentionBackend).get_impl_cls()(4, 64, batch.scale, 2, None, None, "auto")
+
+
+def _layer(index: int) -> SimpleNamespace:
+    return SimpleNamespace(layer_name=f"model.layers.{index}.self_attn.attn")
+
+
+def test_the_builder_sends_long_decodes_to_our_kernel_and_the_wrapped_builder_one_token_of_them(active):
+    """Budget 64 tokens = 4 pages: requests 0 and 2 decode sparsely; request 1 (3 pages) decodes densely and
+    request 3 is a prefill chunk of 5 tokens. The wrapped builder gets the whole batch once, the sparse requests'
+    cached lengths 1 on the device and the host, no cascade prefix; our kernel the sparse requests' pages."""
+    block_table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    cm = _common_metadata([1, 1, 1, 5], [300, 40, 100, 80], block_table, torch.arange(8))
+    cm.seq_lens_cpu_upper_bound = cm.seq_lens.clone()
+    given, build = [], TritonAttentionMetadataBuilder.build
+
+    def spy(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        given.append((common_prefix_len, common_attn_metadata))
+        return build(self, common_prefix_len, common_attn_metadata, fast_build)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonAttentionMetadataBuilder, "build", spy)
+        meta = _builder().build(17, cm)
+        assert _builder().build(0, _common_metadata([1, 5], [40, 80], block_table[:2], torch.arange(6))
+                                ).sparrow_step is None  # no sparse request: the wrapped builder's metadata alone
+    plan = meta.sparrow_step.plan
+    assert plan.tokens.tolist() == [0, 2]
+    assert plan.seq_lens.tolist() == [300, 100] and plan.budget_pages.tolist() == [4, 4]
+    assert plan.page_table.shape == (2, 19)
+    assert plan.page_table[1, :7].tolist() == [40, 41, 42, 43, 44, 45, 46]  # request 2: blocks 20.. of 2 pages
+    assert plan.stock is None  # no sub-batch: the wrapped builder takes the whole batch
+    prefix, theirs = given[0]
+    assert len(given) == 2 and prefix == 0
+    assert theirs.seq_lens.tolist() == [1, 40, 1, 80] and theirs.seq_lens_cpu_upper_bound.tolist() == [1, 40, 1, 80]
+    assert theirs.max_seq_len == 80 and cm.seq_lens.tolist() == [300, 40, 100, 80]  # the step's own is unchanged
+    assert meta.seq_lens.tolist() == [1, 40, 1, 80] and meta.query_start_loc.tolist() == [0, 1, 2, 3, 8]
+    assert meta.block_table is block_table and meta.slot_mapping.tolist() == list(range(8))
+    assert (meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (8, 5, 80)
+    assert meta.sparrow_step.seq_lens.tolist() == [300, 40, 100, 80]
+    assert meta.sparrow_step.block_table is block_table
+
+
+def test_the_wrapped_impl_refuses_attention_it_cannot_make_sparse(active):
+    impl = wrapped.wrap(TritonAttentionBackend).get_impl_cls()
+    with pytest.raises(SparrowError, match="a sliding window, a logit soft cap"):
+        impl(4, 64, 0.125, 2, None, 128, "auto", logits_soft_cap=30.0)
+    with pytest.raises(SparrowError, match=r"a quantized KV cache \(fp8\)"):
+        impl(4, 64, 0.125, 2, None, None, "fp8")
+
+
+# -- the wrapped Triton backend against the PyTorch references, under the interpreter ------------------------------
+
+
 def _step(lengths, query_lens, prefilling, landmark):
     batch = Batch(lengths, 2, 2, 64, 32, landmark=landmark)
     slots = torch.cat([batch.slots(r, torch.arange(n - q, n)) for r, (n, q) in enumerate(zip(lengths, query_lens))])
@@ -180,68 +243,111 @@ def _step(lengths, query_lens, prefilling, landmark):
     return batch, cm, query
 
 
-def _impls(batch):
-    current = cuda_attention.SparrowTritonAttentionImpl(4, 64, batch.scale, 2, None, None, "auto")
-    mine = wrapped.wrap(TritonAttentionBackend).get_impl_cls()(4, 64, batch.scale, 2, None, None, "auto")
-    for impl in (current, mine):
-        impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
-    return current, mine
+def _dense(batch, cm, query):
+    """Dense causal attention of every token of the step over its request's true cached length."""
+    meta = SimpleNamespace(query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor)
+    return _stock(batch)(None, None, query, None, None, None, meta, torch.zeros(query.shape))
+
+
+def _check_layer(got, layer, batch, cm, query, tokens, rows):
+    """Layer 0 (dense) is dense causal attention for every token. In layer 3 the tokens `tokens` of the sparse
+    requests `rows` are `paged.reference_decode` at the budget of 64 tokens (4 pages), really sparse, and the other
+    tokens dense causal attention."""
+    dense = _dense(batch, cm, query)
+    if layer == 0:
+        torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+        return
+    queries = query[tokens].view(len(tokens), batch.kv_heads, batch.group, batch.dim)
+    ref = reference_decode(queries, page_reader(batch.key_cache, batch.value_cache, PS), batch.page_table[rows],
+                           batch.landmarks, batch.seq_lens[rows], torch.full((len(rows),), 4), batch.sparse,
+                           batch.scale)
+    torch.testing.assert_close(got[tokens], ref.reshape(len(tokens), 4, 64), atol=1e-5, rtol=1e-5)
+    assert (got[tokens] - dense[tokens]).abs().max() > 1e-3  # the sparse rows really are sparse
+    others = [t for t in range(got.shape[0]) if t not in tokens]
+    torch.testing.assert_close(got[others], dense[others], atol=1e-5, rtol=1e-5)
 
 
 @interpreted
 @pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_the_wrapped_triton_backend_equals_the_sub_batch_backend(active, landmark):
+def test_the_wrapped_impl_keeps_landmarks_and_decodes_as_the_reference(active, landmark):
+    """The impl's landmarks from the cache as slots are written (prompt, then one decode token per request); its
+    forward on a batch of sparse decodes equals `paged.reference_decode` at the budget in a sparse layer and over
+    every page in a dense one; a step without a sparse request is the wrapped kernel's alone."""
+    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    batch = Batch([300, 97, 513], 2, 2, 64, 32, landmark=landmark)
+    impl = _impl(batch)
+    prompt = torch.cat([batch.slots(r, torch.arange(n - 1)) for r, n in enumerate(batch.lengths)])
+    impl.update_landmarks(batch.kv_cache, prompt)
+    last = torch.stack([batch.slots(r, torch.tensor(n - 1)) for r, n in enumerate(batch.lengths)])
+    impl.update_landmarks(batch.kv_cache, last)  # request 1's token 96 fills its page 5
+    for store, mine in zip(batch.landmarks.tensors, impl.landmarks.tensors):
+        torch.testing.assert_close(mine, store)
+    cm = _common_metadata([1, 1, 1], batch.lengths, batch.block_table, last)
+    meta = _builder().build(0, cm)
+    plan = meta.sparrow_step.plan
+    assert plan.tokens.tolist() == [0, 1, 2] and meta.seq_lens.tolist() == [1, 1, 1]
+    query = batch.queries.reshape(3, 4, 64)
+    read = page_reader(batch.key_cache, batch.value_cache, PS)
+
+    def stock(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        return output.fill_(7.0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonAttentionImpl, "forward", stock)
+        sparse = impl.forward(_layer(3), query, None, None, batch.kv_cache, meta, torch.zeros(3, 4, 64))
+        dense = impl.forward(_layer(1), query, None, None, batch.kv_cache, meta, torch.zeros(3, 4, 64))
+        plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(1024)))
+        covered = _builder().build(0, cm)
+        stock_only = impl.forward(_layer(3), query, None, None, batch.kv_cache, covered, torch.zeros(3, 4, 64))
+    ref = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens, plan.budget_pages,
+                           batch.sparse, batch.scale)
+    torch.testing.assert_close(sparse.view(3, 2, 2, 64), ref, atol=1e-5, rtol=1e-5)
+    ref = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens, batch.n_pages,
+                           batch.sparse, batch.scale)
+    torch.testing.assert_close(dense.view(3, 2, 2, 64), ref, atol=1e-5, rtol=1e-5)  # a dense layer: every page
+    assert covered.sparrow_step is None and bool((stock_only == 7.0).all())  # covered: the wrapped kernel's whole
+
+
+@interpreted
+@pytest.mark.parametrize("landmark", ["centroid", "quest"])
+def test_the_wrapped_triton_backend_equals_the_references(active, landmark):
     """Requests 0 and 2 sparse, 1 covered, 3 a prefill chunk of 5 tokens, 4 a one-token prompt tail; layer 3 is
     sparse and layer 0 dense. The wrapped kernel sees the sparse requests as one token long."""
     plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
-    config = plugin_config.active()
     batch, cm, query = _step([300, 40, 513, 80, 200], [1, 1, 1, 5, 1], [False] * 3 + [True] * 2, landmark)
-    current, mine = _impls(batch)
-    plan, stock_meta = cuda_attention.eager_plan(config, cm, _triton_metadata(cuda_attention, cm), 32)
-    assert plan.tokens.tolist() == [0, 2]
-    reference = _triton_metadata(cuda_attention, cm, sparse_plan=plan, stock_metadata=stock_meta,
-                                 plugin_config=config)
+    impl = _impl(batch)
+    impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
     meta = _builder().build(17, cm)
+    assert meta.sparrow_step.plan.tokens.tolist() == [0, 2]
     assert meta.seq_lens.tolist() == [1, 40, 1, 80, 200] and meta.max_seq_len == 200
     assert meta.sparrow_step.seq_lens.tolist() == [300, 40, 513, 80, 200]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TritonAttentionImpl, "forward", _stock(batch))
-        got = {}
         for layer in (3, 0):
-            name = SimpleNamespace(layer_name=f"model.layers.{layer}.self_attn.attn")
-            want = current.forward(name, query, None, None, batch.kv_cache, reference, torch.zeros(9, 4, 64))
-            got[layer] = mine.forward(name, query, None, None, batch.kv_cache, meta, torch.zeros(9, 4, 64))
-            torch.testing.assert_close(got[layer], want, atol=1e-5, rtol=1e-5)
-        dense = _stock(batch)(None, None, query, None, None, None, _triton_metadata(cuda_attention, cm),
-                              torch.zeros(9, 4, 64))
-    torch.testing.assert_close(got[0], dense, atol=1e-5, rtol=1e-5)  # layer 0: dense for every request
-    got = got[3]
-    assert (got[[0, 2]] - dense[[0, 2]]).abs().max() > 1e-3  # layer 3's sparse rows really are sparse
-    torch.testing.assert_close(got[[1, 3, 4, 5, 6, 7, 8]], dense[[1, 3, 4, 5, 6, 7, 8]], atol=1e-5, rtol=1e-5)
+            got = impl.forward(_layer(layer), query, None, None, batch.kv_cache, meta, torch.zeros(9, 4, 64))
+            _check_layer(got, layer, batch, cm, query, [0, 2], [0, 2])
     no_sparse = _common_metadata([1, 5], [40, 80], batch.block_table[1:3], torch.arange(6))
     assert _builder().build(0, no_sparse).sparrow_step is None
 
 
 @interpreted
 @pytest.mark.parametrize("landmark", ["centroid", "quest"])
-def test_the_wrapped_fixed_shape_path_equals_the_eager_one(active, landmark):
+def test_the_wrapped_fixed_shape_path_equals_the_eager_one_and_the_references(active, landmark):
     """A uniform decode step (0 and 2 sparse, 1 covered, 3 a one-token prompt tail) through the fixed-shape path
-    equals the eager wrapped path and the sub-batch backend's fixed-shape path, in a sparse and a dense layer."""
+    equals the eager wrapped path and the references, in a sparse and a dense layer."""
     plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
-    config = plugin_config.active()
     batch, cm, query = _step([300, 40, 513, 200], [1, 1, 1, 1], [False, False, False, True], landmark)
-    current, mine = _impls(batch)
+    impl = _impl(batch)
+    impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
     graph = _builder(DecodeGraphBuffers(8, 4, "cpu")).build(0, cm)
     assert graph.sparrow_step.graph is not None and graph.seq_lens.tolist() == [1, 40, 1, 200]
+    assert graph.sparrow_step.graph.budget_pages.tolist() == [4, 0, 4, 0]
     eager = _builder().build(0, cm)
-    reference = _triton_metadata(cuda_attention, cm, plugin_config=config,
-                                 decode_graph=DecodeGraphBuffers(8, 4, "cpu").fill(cm, config.schedule, 16))
+    assert eager.sparrow_step.graph is None and eager.sparrow_step.plan.tokens.tolist() == [0, 2]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TritonAttentionImpl, "forward", _stock(batch))
         for layer in (3, 0):
-            name = SimpleNamespace(layer_name=f"model.layers.{layer}.self_attn.attn")
-            got = mine.forward(name, query, None, None, batch.kv_cache, graph, torch.zeros(4, 4, 64))
-            want = mine.forward(name, query, None, None, batch.kv_cache, eager, torch.zeros(4, 4, 64))
-            old = current.forward(name, query, None, None, batch.kv_cache, reference, torch.zeros(4, 4, 64))
+            got = impl.forward(_layer(layer), query, None, None, batch.kv_cache, graph, torch.zeros(4, 4, 64))
+            want = impl.forward(_layer(layer), query, None, None, batch.kv_cache, eager, torch.zeros(4, 4, 64))
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got, old, atol=1e-5, rtol=1e-5)
+            _check_layer(got, layer, batch, cm, query, [0, 2], [0, 2])
