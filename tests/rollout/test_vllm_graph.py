@@ -6,10 +6,6 @@ The interpreter needs TRITON_INTERPRET=1 before triton.language is imported; tes
 triton was imported earlier, reruns its tests in a child process; this module does the same with its own.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +20,7 @@ from tests.rollout.test_vllm_triton import (
     Batch,
     _common_metadata,
     interpreted,
+    run_under_interpreter,
 )
 
 if INTERPRETED:
@@ -38,13 +35,7 @@ if INTERPRETED:
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
 def test_the_graph_path_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not test_the_graph_path_under_the_interpreter"],
-                         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout, run.stdout[-1000:]
+    run_under_interpreter(__file__, "test_the_graph_path_under_the_interpreter")
 
 
 @interpreted

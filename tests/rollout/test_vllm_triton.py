@@ -42,15 +42,20 @@ if INTERPRETED:
     )
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
-def test_the_kernels_under_the_interpreter():
+def run_under_interpreter(test_file: str, own_test: str) -> None:
+    """Run `test_file`'s other tests in a child process with TRITON_INTERPRET=1 (it must be set before triton is
+    imported) and require that they pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not test_the_kernels_under_the_interpreter"],
-                         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
+                          f"not {own_test}"], cwd=Path(__file__).parents[2], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout, run.stdout[-1000:]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
+def test_the_kernels_under_the_interpreter():
+    run_under_interpreter(__file__, "test_the_kernels_under_the_interpreter")
 
 
 PS = 16

@@ -8,7 +8,6 @@ vLLM's Triton kernel does not run on CPU; a dense causal reference reading the m
 cached lengths, block table) stands in for it.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,14 @@ from sparrow.errors import SparrowError
 from sparrow.schedules import const
 from sparrow.vllm import config as plugin_config
 from sparrow.vllm.paged import reference_decode
-from tests.rollout.test_vllm_triton import INTERPRETED, PS, Batch, _common_metadata, interpreted
+from tests.rollout.test_vllm_triton import (
+    INTERPRETED,
+    PS,
+    Batch,
+    _common_metadata,
+    interpreted,
+    run_under_interpreter,
+)
 
 vllm = pytest.importorskip("vllm")
 
@@ -41,13 +47,7 @@ from sparrow.vllm.triton_decode import page_reader
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
 def test_the_wrapper_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not test_the_wrapper_under_the_interpreter"],
-                         cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout, run.stdout[-1000:]
+    run_under_interpreter(__file__, "test_the_wrapper_under_the_interpreter")
 
 
 @pytest.fixture
