@@ -10,6 +10,7 @@ metrics and returns messages to log), and saves `state()` with each checkpoint (
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 
 from sparrow.schedules import Schedule
 
@@ -21,11 +22,13 @@ from .step import Policy, StepBatch
 PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
 
 
-class ScheduleController:
-    """What the loop asks of a controller; the defaults measure nothing more, log nothing and save nothing."""
+class ScheduleController(ABC):
+    """What the loop asks of a controller: the schedule of the next step (each controller's own); the defaults
+    measure nothing more, log nothing and save nothing."""
 
+    @abstractmethod
     def schedule(self) -> Schedule:
-        raise NotImplementedError
+        """The schedule the next step's rollouts decode with."""
 
     def measure(self) -> dict[str, Schedule] | None:
         return None
