@@ -197,6 +197,9 @@ class EvalSection:
     every: int = option(10, "held-out evaluation every N-th step", flag="eval_every")
     generations: int = option(4, "samples per held-out prompt (mean@k, pass@k)", flag="eval_generations")
     schedule: str = option("dense", "schedule of the held-out rollouts", flag="eval_schedule")
+    at_start: bool = option(True, "also score the held-out set before the first step (the same for every run of "
+                            "one model, seed and eval set: runs compared with one that has it may skip it)",
+                            flag="eval_at_start")
 
     def validate(self) -> None:
         if self.data is not None:

@@ -131,7 +131,7 @@ def _train(config: TrainConfig, log) -> list[dict]:
         rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
         held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
                     if config.eval.data is not None else None)
-        if held_out is not None and start == 0:
+        if held_out is not None and start == 0 and config.eval.at_start:
             _evaluate(config, backend, held_out, rewards, 0, out, board, log)
         for step in range(start, grpo.steps):
             began = time.perf_counter()
@@ -205,7 +205,9 @@ def _evaluate(config: TrainConfig, backend, examples: list, rewards: list, step:
     clock = time.perf_counter()
     sampling = config.sampling.params(seed=_EVAL_SEED + config.run.seed)
     k = config.eval.generations
-    result = evaluate(backend, examples, rewards, config.parsed.eval_schedule, sampling, k, adapter=False)
+    log(f"eval at step {step}: sampling {len(examples)} held-out prompts x {k}")
+    result = evaluate(backend, examples, rewards, config.parsed.eval_schedule, sampling, k, adapter=False,
+                      progress=True)
     row = {"step": step, **{f"eval/{key}": v for key, v in result.items()}, "time/eval_s": time.perf_counter() - clock}
     append_jsonl(out / "eval.jsonl", row)
     for name, value in row.items():

@@ -137,6 +137,11 @@ def test_held_out_evaluation_runs_before_training_every_n_steps_and_at_the_end(d
     assert "held-out" in (out / "report.md").read_text() and (out / "heldout.png").stat().st_size > 1000
     with pytest.raises(SparrowError, match="eval_data file 'nope.jsonl' does not exist"):
         _config(data, tmp_path / "x", eval_data="nope.jsonl").validate()
+    skipped = tmp_path / "no-start"  # a run compared with one that scored step 0 may skip it; the rest is equal
+    train(_config(data, skipped, steps=3, eval_data=str(data), eval_every=2, eval_generations=2, eval_at_start=False),
+          log=lambda *_: None)
+    later = [json.loads(line) for line in (skipped / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in later] == [2, 3] and later[-1]["eval/mean@2"] == rows[-1]["eval/mean@2"]
 
 
 def test_report_compares_runs_with_plots(data, tmp_path):
