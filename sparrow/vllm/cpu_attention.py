@@ -5,6 +5,8 @@ budget covers their cache, and every request while the schedule is dense. The ca
 by vLLM's own op; this backend adds, per layer, the landmarks of each physical page, computed from the cache when
 the page's last slot is written (so prefix-cached blocks keep theirs), and attends the selected pages of sparse
 decoding requests in place (`cpu_kernel.paged_sparse_decode`; `paged.reference_decode` for non-float32 dtypes).
+While the schedule is dense a step does nothing beyond stock vLLM: landmarks are not kept, and the first sparse
+step rebuilds them from the cache (one pass over it per layer).
 
 Which requests decode sparsely is the step's plan (plan.py, shared with the CUDA backend); the rest of the step
 is a sub-batch with its own scheduler metadata for vLLM's kernel.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, fields
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
@@ -37,6 +40,12 @@ from .plan import SparsePlan, StockRows, plan_step
 
 # ISAs whose key layout is channel-major per (block, head); the plugin asks vLLM for one of them.
 _READABLE_ISAS = ("vec", "vec16")
+
+
+def _layer_metadata(layer):
+    """This step's attention metadata of `layer` (None outside a forward, or in vLLM's dummy runs)."""
+    metadata = get_forward_context().attn_metadata
+    return metadata.get(layer.layer_name) if isinstance(metadata, dict) else metadata
 
 
 def cpu_page_reader(kv_cache: torch.Tensor, page_size: int):
@@ -67,7 +76,11 @@ class StockMetadata:
 
 @dataclass
 class SparrowCPUMetadata(CPUAttentionMetadata):
+    """vLLM's metadata of a step under a sparse schedule: the plan (None: no request decodes sparsely this step),
+    the pages whose last slot the step writes (for every layer's landmarks) and the stock rows' kernel inputs."""
+
     sparse_plan: SparsePlan | None = None
+    filled_pages: torch.Tensor | None = None
     stock_metadata: StockMetadata | None = None
     plugin_config: PluginConfig | None = None
 
@@ -91,11 +104,11 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 or self.is_encoder_only_attention):
             return meta
         plan = plan_step(common_attn_metadata, config.schedule, config.sparse.page_size, self.block_size)
-        if plan is None:
-            return meta
-        stock = None if plan.stock is None else self._stock_metadata(plan.stock, common_attn_metadata, meta)
+        stock = None if plan is None or plan.stock is None else self._stock_metadata(plan.stock, common_attn_metadata,
+                                                                                     meta)
+        filled = filled_pages(common_attn_metadata.slot_mapping, config.sparse.page_size)
         return SparrowCPUMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, sparse_plan=plan,
-                                  stock_metadata=stock, plugin_config=config)
+                                  filled_pages=filled, stock_metadata=stock, plugin_config=config)
 
     def _stock_metadata(self, rows: StockRows, cm: CommonAttentionMetadata, meta) -> StockMetadata:
         seq_lens = cm.seq_lens[rows.rows]
@@ -114,6 +127,7 @@ class SparrowCPUAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.landmarks: PageLandmarks | None = None
+        self.landmarks_current = True  # False once a step wrote keys without keeping landmarks
         self.layout_checked = False
         config = active()
         self.sparse = None if config is None else config.sparse  # fixed for the engine; the schedule is not
@@ -131,12 +145,19 @@ class SparrowCPUAttentionImpl(CPUAttentionBackendImpl):
         sparse = self.sparse
         if sparse is None or self.attn_type != AttentionType.DECODER or not kv_cache.numel():
             return
+        meta = _layer_metadata(layer)
+        if not isinstance(meta, SparrowCPUMetadata):  # a dense schedule's step (or vLLM's dummy run)
+            self.landmarks_current = False
+            return
         read = cpu_page_reader(kv_cache, sparse.page_size)
         if not self.layout_checked:
             self._check_layout(read, key, slot_mapping, sparse.page_size, getattr(layer, "isa", "?"))
-        pages = filled_pages(slot_mapping, sparse.page_size)
-        if pages.numel():
-            self._landmarks(kv_cache, sparse).update(pages, read(pages)[0])
+        landmarks = self._landmarks(kv_cache, sparse)
+        if not self.landmarks_current:
+            landmarks.rebuild(read)
+            self.landmarks_current = True
+        elif meta.filled_pages.numel():
+            landmarks.update(meta.filled_pages, read(meta.filled_pages)[0])
 
     def _check_layout(self, read, key, slot_mapping, page_size: int, isa: str) -> None:
         """The keys just written read back through our view (once per layer): a layout we do not know fails here."""
@@ -157,6 +178,7 @@ class SparrowCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.landmarks is None or self.landmarks.num_pages != num_pages:
             self.landmarks = PageLandmarks(sparse, num_pages, kv_heads, two_d // 2, kv_cache.dtype,
                                            kv_cache.device)
+            self.landmarks_current = False  # a new cache may already hold keys
         return self.landmarks
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

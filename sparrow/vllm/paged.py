@@ -56,6 +56,14 @@ class PageLandmarks:
         for store, mark in zip(self.tensors, self.landmark.build(page_keys)):
             store.index_copy_(0, pages, mark.to(store.dtype))
 
+    def rebuild(self, read_pages: PageReader, chunk: int = 4096) -> None:
+        """Landmarks of every physical page from the cache as it is now, `chunk` pages at a time: after steps that
+        wrote keys without keeping landmarks (pages not yet full get landmarks too, which no selection reads)."""
+        device = self.tensors[0].device
+        for start in range(0, self.num_pages, chunk):
+            pages = torch.arange(start, min(start + chunk, self.num_pages), device=device)
+            self.update(pages, read_pages(pages)[0])
+
     def update_slots(self, slot_mapping: torch.Tensor, read_pages: PageReader, page_size: int) -> None:
         """`update(filled_pages(slot_mapping), ...)` with shapes fixed by the slot count and nothing read back to the
         host (CUDA graphs capture it): every written slot's page gets a landmark, sent to the spare row unless

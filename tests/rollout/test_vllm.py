@@ -177,6 +177,18 @@ def test_greedy_sparse_rollouts_equal_our_engine_on_concurrent_requests_of_diffe
     assert max(abs(x - y) for a, d in zip(theirs[:2], dense[:2]) for x, y in zip(a.logprobs, d.logprobs)) > 1e-3
 
 
+def test_sparse_rollouts_after_dense_steps_use_landmarks_rebuilt_for_the_cached_prompts(llama_vllm):
+    """Dense steps keep no landmarks; the prompts' blocks they left in the prefix cache get theirs rebuilt at the
+    first sparse step, so the sparse rollouts still equal our engine's."""
+    backend, model, tok = llama_vllm
+    prompts = random_prompts([400, 620], seed=11)
+    backend.generate(prompts, GREEDY, parse_schedule("dense"))
+    theirs = backend.generate(prompts, GREEDY, const(64))
+    ours = RolloutEngine(model, tok, SparseConfig()).generate(prompts, GREEDY, const(64))
+    assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+    assert max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
 def _teacher_forced_agreement(backend, model, schedule, prompts, samples, sparse=None):
     sparse = sparse or SparseConfig()
     rollouts = backend.generate(prompts, SamplingParams(max_new_tokens=32, seed=5, ignore_eos=True), schedule,
