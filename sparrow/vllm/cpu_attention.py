@@ -104,8 +104,9 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 or self.is_encoder_only_attention):
             return meta
         plan = plan_step(common_attn_metadata, config.schedule, config.sparse.page_size, self.block_size)
-        stock = None if plan is None or plan.stock is None else self._stock_metadata(plan.stock, common_attn_metadata,
-                                                                                     meta)
+        stock = None
+        if plan is not None and plan.stock is not None:
+            stock = self._stock_metadata(plan.stock, common_attn_metadata, meta)
         filled = filled_pages(common_attn_metadata.slot_mapping, config.sparse.page_size)
         return SparrowCPUMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, sparse_plan=plan,
                                   filled_pages=filled, stock_metadata=stock, plugin_config=config)
@@ -127,7 +128,7 @@ class SparrowCPUAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.landmarks: PageLandmarks | None = None
-        self.landmarks_current = True  # False once a step wrote keys without keeping landmarks
+        self.landmarks_current = False  # whether the landmarks match the cache (not after a dense step)
         self.layout_checked = False
         config = active()
         self.sparse = None if config is None else config.sparse  # fixed for the engine; the schedule is not
