@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sparrow.errors import SparrowError
@@ -62,10 +63,14 @@ class Schedule:
                              torch.tensor(self.budgets, dtype=torch.int64, device=device))
         return cache[device]
 
-    def budget_for(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Budget in tokens of the bin holding each length (int64, same shape and device as `lengths`)."""
+    def budget_for(self, lengths: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        """Budget in tokens of the bin holding each length (int64, same shape and device as `lengths`; a numpy
+        array for a numpy array, as the vLLM plugin's host-side plan passes)."""
         if self.is_dense:
             raise SparrowError(f"schedule {self.name!r} is dense and has no KV budget; check is_dense first")
+        if isinstance(lengths, np.ndarray):
+            idx = np.searchsorted(self.starts, lengths, side="right") - 1
+            return np.asarray(self.budgets, dtype=np.int64)[np.maximum(idx, 0)]
         lengths = torch.as_tensor(lengths)
         starts, budgets = self._tables(lengths.device)
         idx = torch.searchsorted(starts, lengths.to(torch.int64).contiguous(), right=True) - 1

@@ -7,6 +7,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,7 @@ def test_every_preset_matches_the_release_planner_at_every_length(name):
     lengths = list(range(1, 45_001))
     release = [_release_budget(topk, n) for n in lengths]
     assert PRESETS[name].budget_for(torch.tensor(lengths)).tolist() == release
+    assert PRESETS[name].budget_for(np.array(lengths)).tolist() == release  # the vLLM plan's host-side path
     starts = PRESETS[name].starts
     edges = [n for s in starts[1:] for n in (s - 1, s, s + 1)]
     assert [PRESETS[name].budget_at(n) for n in edges] == [release[n - 1] for n in edges]
@@ -126,6 +128,8 @@ def test_budget_for_bin_edges():
     assert out.dtype == torch.int64 and out.shape == lengths.shape and out.device == lengths.device
     assert out.tolist() == [[512, 512, 768, 768], [768, 1024, 6144, 8192], [8192, 8192, 8192, 512]]
     assert schedule.budget_for(torch.tensor([1984, 1985], dtype=torch.int32)).tolist() == [512, 768]
+    host = schedule.budget_for(lengths.numpy())
+    assert isinstance(host, np.ndarray) and host.dtype == np.int64 and host.tolist() == out.tolist()
     assert [schedule.budget_at(n) for n in (1, 1984, 1985, 37985, 10**6)] == [512, 512, 768, 8192, 8192]
 
 

@@ -7,8 +7,8 @@ A request decodes sparsely when it computes one generated token (query length 1 
 cached length (counting the new token) is below the pages it holds: our engine's rule.
 
 The metadata builder makes the plan once per step, for all layers. The decision reads only vLLM's host-side copies
-of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with tensor operations and no
-Python loop over requests; the per-request results travel to the device in one host-to-device copy, and the page
+of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with numpy on the host (a numpy call costs about a
+microsecond, a torch call ten) and no Python loop over requests; the per-request results travel to the device in one host-to-device copy, and the page
 table is gathered there from vLLM's block table. Nothing is read back from the device. The decision is made here
 only: the backends read it from the plan.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sparrow.schedules import Schedule
@@ -55,20 +56,20 @@ class SparsePlan:
     stock: StockRows | None
 
 
-def host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:
-    """Cached lengths of the step's requests on the host: vLLM's own host copy (exact without speculative decoding,
-    which the plugin refuses); the device tensor itself where there is none (CPU runs, tests)."""
+def host_seq_lens(cm: CommonAttentionMetadata) -> np.ndarray:
+    """Cached lengths of the step's requests on the host (int64): vLLM's own host copy (exact without speculative
+    decoding, which the plugin refuses); the device tensor itself where there is none (CPU runs, tests)."""
     host = cm.seq_lens_cpu_upper_bound
-    return (cm.seq_lens if host is None else host)[: cm.num_reqs].cpu()
+    return (cm.seq_lens if host is None else host)[: cm.num_reqs].cpu().numpy().astype(np.int64)
 
 
-def sparse_rows(query_lens: torch.Tensor, seq_lens: torch.Tensor, is_prefilling: torch.Tensor | None,
-                schedule: Schedule, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sparse_rows(query_lens: np.ndarray, seq_lens: np.ndarray, is_prefilling: np.ndarray | None,
+                schedule: Schedule, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(decodes sparsely [R] bool, pages held [R], budget in pages [R]) of requests with these query and cached
-    lengths (host tensors)."""
-    n_pages = (seq_lens.long() + page_size - 1) // page_size
+    lengths (int64 host arrays)."""
+    n_pages = (seq_lens + page_size - 1) // page_size
     if schedule.is_dense:
-        return torch.zeros_like(n_pages, dtype=torch.bool), n_pages, n_pages
+        return np.zeros(n_pages.shape, dtype=bool), n_pages, n_pages
     budget = schedule.budget_for(seq_lens) // page_size
     sparse = (query_lens == 1) & (budget < n_pages)
     if is_prefilling is not None:
@@ -81,23 +82,23 @@ def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, b
     """The plan of the step `cm` under `schedule` (None: no request decodes sparsely, the step is stock vLLM's);
     `sub_batch`: with the other requests as a sub-batch (`SparsePlan.stock`)."""
     num_reqs = cm.num_reqs
-    starts = cm.query_start_loc_cpu[: num_reqs + 1].long()
-    query_lens = starts[1:] - starts[:-1]
-    seq_lens = host_seq_lens(cm).long()
-    prefilling = None if cm.is_prefilling is None else cm.is_prefilling[:num_reqs].cpu().bool()
+    starts = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+    query_lens = np.diff(starts)
+    seq_lens = host_seq_lens(cm)
+    prefilling = None if cm.is_prefilling is None else cm.is_prefilling[:num_reqs].cpu().numpy().astype(bool)
     sparse, n_pages, budget = sparse_rows(query_lens, seq_lens, prefilling, schedule, page_size)
-    rows = torch.nonzero(sparse).flatten()
-    if not rows.numel():
+    rows = np.flatnonzero(sparse)
+    if not rows.size:
         return None
     host = [starts[rows], rows, seq_lens[rows], n_pages[rows], budget[rows]]
-    stock_rows = torch.nonzero(~sparse).flatten() if sub_batch else rows[:0]
-    with_stock = bool(stock_rows.numel())
+    stock_rows = np.flatnonzero(~sparse) if sub_batch else rows[:0]
+    with_stock = bool(stock_rows.size)
     if with_stock:
-        stock_starts = torch.zeros(stock_rows.numel() + 1, dtype=torch.long)
-        torch.cumsum(query_lens[stock_rows], 0, out=stock_starts[1:])
+        stock_starts = np.zeros(stock_rows.size + 1, dtype=np.int64)
+        np.cumsum(query_lens[stock_rows], out=stock_starts[1:])
         host += [stock_rows, _stock_tokens(starts, rows), stock_starts]
     device = cm.block_table_tensor.device
-    moved = torch.cat(host).to(device, non_blocking=True).split([t.numel() for t in host])
+    moved = torch.from_numpy(np.concatenate(host)).to(device, non_blocking=True).split([a.size for a in host])
     tokens, rows_d, seq_d, n_pages_d, budget_d = moved[:5]
     num_pages = int(n_pages[rows].max())
     blocks = -(-num_pages * page_size // block_size)
@@ -106,11 +107,12 @@ def plan_step(cm: CommonAttentionMetadata, schedule: Schedule, page_size: int, b
     if with_stock:
         stock_rows_d, stock_tokens_d, stock_starts_d = moved[5:]
         stock = StockRows(stock_rows_d, stock_tokens_d, stock_starts_d.to(cm.query_start_loc.dtype))
-    return SparsePlan(tokens, page_table, seq_d, n_pages_d, budget_d, torch.where(sparse, 1, seq_lens), stock)
+    return SparsePlan(tokens, page_table, seq_d, n_pages_d, budget_d,
+                      torch.from_numpy(np.where(sparse, 1, seq_lens)), stock)
 
 
-def _stock_tokens(starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _stock_tokens(starts: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Indices of the step's tokens that are not the single tokens of the sparse `rows`."""
-    keep = torch.ones(int(starts[-1]), dtype=torch.bool)
+    keep = np.ones(int(starts[-1]), dtype=bool)
     keep[starts[rows]] = False
-    return torch.nonzero(keep).flatten()
+    return np.flatnonzero(keep)
