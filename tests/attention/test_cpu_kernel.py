@@ -122,19 +122,21 @@ def _as_paged(keys, values, marks, block):
 
 
 @pytest.mark.parametrize("landmark", LANDMARKS)
-@pytest.mark.parametrize("dim", [64, 24])
-def test_the_paged_and_contiguous_readers_decode_one_cache_alike(landmark, dim):
+@pytest.mark.parametrize("dim", [64, 24, 128])
+@pytest.mark.parametrize("page, group", [(4, 2), (16, 3), (16, 5)])  # pages of 16: the paged reader's fast path
+def test_the_paged_and_contiguous_readers_decode_one_cache_alike(landmark, dim, page, group):
     if cpu_kernel.load() is None:
         pytest.skip("the CPU kernel cannot be built here")
     torch.manual_seed(0)
-    sparse = SparseConfig(page_size=4, landmark=landmark)
-    rows, heads, group, pages = 3, 2, 2, 10
-    keys, values = torch.randn(rows, heads, pages, 4, dim), torch.randn(rows, heads, pages, 4, dim)
+    sparse = SparseConfig(page_size=page, landmark=landmark)
+    rows, heads, pages = 3, 2, 10
+    keys, values = torch.randn(rows, heads, pages, page, dim), torch.randn(rows, heads, pages, page, dim)
     marks = sparse.page_landmark.build(keys)
-    total = torch.tensor([40, 37, 13])  # full, a partial last page, a row of 4 pages (dense: within its budget)
-    n_pages, budget = (total + 3) // 4, torch.tensor([5, 6, 5])
+    # full, a partial last page, a row of 4 pages (dense: within its budget)
+    total = torch.tensor([10 * page, 9 * page + 1, 3 * page + 1])
+    n_pages, budget = (total + page - 1) // page, torch.tensor([5, 6, 5])
     queries = torch.randn(rows, heads, group, dim)
     want = cpu_kernel.sparse_decode(queries, keys, values, marks, n_pages, budget, total, sparse, 0.3)
-    cache, phys, paged_marks = _as_paged(keys, values, marks, block=8)
+    cache, phys, paged_marks = _as_paged(keys, values, marks, block=2 * page)
     got = cpu_kernel.paged_sparse_decode(queries, cache, phys, paged_marks, n_pages, budget, total, sparse, 0.3)
     assert torch.allclose(got, want, atol=1e-5)

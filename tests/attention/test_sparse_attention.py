@@ -50,13 +50,20 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
+# (page size, query heads, KV heads, head dim): the compiled kernel's generic loops, then its register-blocked ones
+# (head dims 64 and 128; pages of 16 in vLLM's layout) with groups of 3 and 5 query heads per KV head.
+SHAPES = [(4, 4, 2, 8), (16, 9, 3, 64), (16, 10, 2, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("landmark", LANDMARKS)
-def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, decode_path):
+def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, shape, decode_path):
     torch.manual_seed(0)
-    sparse = SparseConfig(page_size=4, landmark=landmark, dense_layers=(0,))
-    lengths, hq, hkv, dim = [37, 13, 60], 4, 2, 8
-    cache = KVCache(2, 3, hkv, dim, 64, sparse, torch.float32, torch.device("cpu"))
-    keys, values = torch.randn(3, hkv, 61, dim), torch.randn(3, hkv, 61, dim)
+    page, hq, hkv, dim = shape
+    sparse = SparseConfig(page_size=page, landmark=landmark, dense_layers=(0,))
+    lengths = [37 * page // 4, 13 * page // 4, 60 * page // 4]
+    cache = KVCache(2, 3, hkv, dim, 16 * page, sparse, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(3, hkv, 61 * page // 4, dim), torch.randn(3, hkv, 61 * page // 4, dim)
     for row, n in enumerate(lengths):
         cache.write_prompt(1, torch.tensor([row]), keys[row, :, :n], values[row, :, :n])
     cache.lengths = torch.tensor(lengths)

@@ -38,6 +38,58 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 using Marks = std::pair<const float*, const float*>;  // a page's landmarks: (centroid, null) or (kmin, kmax)
 
+// 16 floats as one value (one AVX-512 register, two AVX2 ones). The loops below keep their running sums in such
+// values, one lane per token or channel and never summed across lanes, so a result does not depend on the vector
+// width the CPU has; several independent sums at once keep the FMA units busy instead of waiting on one chain.
+typedef float f16 __attribute__((vector_size(64)));
+inline f16 load16(const float* p) {
+  f16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// The scores of one 16-token page for NG query heads q [NG, kD] against keys stored channel-major (channel d of
+// the 16 tokens at kt[d * kstride]): each channel is loaded once for the NG heads, two sums per head (even and odd
+// channels). out[i] = the NG heads' 16 scores.
+template <int64_t kD, int NG>
+inline void page_scores16(const float* q, const float* kt, int64_t kstride, f16* out) {
+  f16 a[NG][2] = {};
+  for (int64_t d = 0; d < kD; d += 2) {
+    const f16 k0 = load16(kt + d * kstride), k1 = load16(kt + (d + 1) * kstride);
+    for (int i = 0; i < NG; ++i) {
+      a[i][0] += q[i * kD + d] * k0;
+      a[i][1] += q[i * kD + d + 1] * k1;
+    }
+  }
+  for (int i = 0; i < NG; ++i) out[i] = a[i][0] + a[i][1];
+}
+
+// oh[g, :] += sum_t w[g * wstride + t] * vp[t, :] over a page's n tokens (values token-major [n, kD]) for the
+// G heads: per head, kD / 16 sums for even tokens and as many for odd ones.
+template <int64_t kD>
+inline void add_page_values(const float* w, int64_t wstride, int64_t G, const float* vp, int64_t n, float* oh) {
+  constexpr int64_t V = kD / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    float* og = oh + g * kD;
+    const float* wg = w + g * wstride;
+    f16 even[V], odd[V];
+    for (int64_t v = 0; v < V; ++v) even[v] = load16(og + 16 * v), odd[v] = f16{};
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      const float w0 = wg[t], w1 = wg[t + 1];
+      const float *v0 = vp + t * kD, *v1 = v0 + kD;
+      for (int64_t v = 0; v < V; ++v) {
+        even[v] += w0 * load16(v0 + 16 * v);
+        odd[v] += w1 * load16(v1 + 16 * v);
+      }
+    }
+    if (t < n)
+      for (int64_t v = 0; v < V; ++v) even[v] += wg[t] * load16(vp + t * kD + 16 * v);
+    for (int64_t v = 0; v < V; ++v) store16(og + 16 * v, even[v] + odd[v]);
+  }
+}
+
 }  // namespace
 
 // Steps 1-2 for one (row, kv head): the kept pages, ascending. qh: the group's queries [G, D]; mark(p): page p's
@@ -216,6 +268,25 @@ struct PagedPages {
     void score(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
                float* tile) const {
       const float* kt = slab(p) + within(p);
+      if constexpr (kD % 16 == 0 && kD > 0) {
+        if (S == 16) {  // the usual page: up to 4 heads at a time, in registers
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            f16 r[4];
+            const float* q = qh + g0 * kD;
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: page_scores16<kD, 1>(q, kt, block, r); break;
+              case 2: page_scores16<kD, 2>(q, kt, block, r); break;
+              case 3: page_scores16<kD, 3>(q, kt, block, r); break;
+              default: page_scores16<kD, 4>(q, kt, block, r); break;
+            }
+            for (int64_t i = 0; i < std::min<int64_t>(4, G - g0); ++i) {
+              store16(tile, r[i] * sc);
+              std::copy(tile, tile + valid, s + (g0 + i) * stride);
+            }
+          }
+          return;
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qh + g * D;
         std::fill(tile, tile + S, 0.f);
@@ -261,18 +332,23 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
         n += valid(kept[j]);
       }
       softmax_rows(scores.data(), G, stride, n);
-      // The weighted sum of the kept tokens' values, token by token in the order scored.
+      // The weighted sum of the kept tokens' values, page by page in the order scored.
       float* oh = st.od + rh * G * D;
       int64_t i = 0;
       for (const int64_t p : kept) {
         const float* vp = head.values(p);
-        for (int64_t t = 0; t < valid(p); ++t, ++i) {
-          const float* vr = vp + t * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * stride + i];
-            float* og = oh + g * D;
+        if constexpr (kD % 16 == 0 && kD > 0) {
+          add_page_values<kD>(scores.data() + i, stride, G, vp, valid(p), oh);
+          i += valid(p);
+        } else {
+          for (int64_t t = 0; t < valid(p); ++t, ++i) {
+            const float* vr = vp + t * D;
+            for (int64_t g = 0; g < G; ++g) {
+              const float w = scores[g * stride + i];
+              float* og = oh + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) og[d] += w * vr[d];
+              for (int64_t d = 0; d < D; ++d) og[d] += w * vr[d];
+            }
           }
         }
       }
