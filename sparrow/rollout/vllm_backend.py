@@ -113,7 +113,10 @@ class VLLMBackend:
 
             register()  # vLLM runs plugins once per process: register here in case it already did
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        if plugin and current_platform.is_cpu():
+            engine_args.setdefault("block_size", plugin_config.cpu_block_size(self.sparse.page_size))
         log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'})")
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,

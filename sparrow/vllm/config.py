@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -86,6 +87,16 @@ def from_environment(environ=None) -> PluginConfig | None:
     except SparrowError as err:
         raise SparrowError(f"{ENV_SCHEDULE}={spec!r}: {err}") from None
     return PluginConfig(sparse, schedule)
+
+
+def cpu_block_size(page_size: int) -> int:
+    """The KV block size the plugin asks of vLLM on CPU: one page per block where vLLM's CPU kernels allow it (a
+    multiple of 16). vLLM's CPU cache stores each (block, head)'s keys channel-major, so in its default block of
+    128 a page's 16 keys of one channel are one cache line 512 bytes from the next channel's: reading the pages the
+    rule selects then also pulls their neighbours' lines. With one page per block they are contiguous, and the
+    sparse layer reads only what it uses (BENCHMARKS: 0.69 -> 0.56 of the dense layer's time at 1.1K cached tokens
+    and 32 of 69 pages); vLLM's own dense kernel runs as fast at 16 as at 128."""
+    return math.lcm(16, page_size)
 
 
 def environment_for(sparse: SparseConfig, schedule: Schedule | str = DENSE) -> dict[str, str]:

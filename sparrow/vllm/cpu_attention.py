@@ -21,7 +21,7 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -224,6 +224,12 @@ class SparrowCPUAttentionImpl(CPUAttentionBackendImpl):
 
 class SparrowCPUAttentionBackend(CPUAttentionBackend):
     """vLLM's CPU backend with Sparrow's sparse decode (same name, cache shape and kernels otherwise)."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        """Multiples of 16, not vLLM's 32: its CPU kernels run blocks of 16 too (ISA "vec16"), the block the plugin
+        asks for (`config.cpu_block_size`)."""
+        return [MultipleOf(16)]
 
     @staticmethod
     def get_impl_cls():

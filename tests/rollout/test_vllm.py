@@ -121,6 +121,10 @@ def test_a_page_size_that_does_not_divide_the_block_size_is_refused():
         check_sparse_config(SparseConfig(), 128, "fp8")
 
 
+def test_the_cpu_block_holds_one_page_where_vllm_allows():
+    assert [plugin_config.cpu_block_size(p) for p in (16, 32, 8, 4, 48)] == [16, 32, 16, 16, 48]
+
+
 def test_missing_vllm_is_one_message(monkeypatch):
     from sparrow.rollout import vllm_backend
 
@@ -168,6 +172,7 @@ def test_greedy_sparse_rollouts_equal_our_engine_on_concurrent_requests_of_diffe
     ours = RolloutEngine(model, tok, SparseConfig()).generate(PROMPTS, GREEDY, schedule)
     theirs = backend.generate(PROMPTS, GREEDY, schedule)
     dense = backend.generate(PROMPTS, GREEDY, parse_schedule("dense"))
+    assert backend.llm.llm_engine.vllm_config.cache_config.block_size == 16  # one page per block (cpu_block_size)
     for a, b, d in zip(ours, theirs, dense):
         assert b.token_ids == a.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3  # matmuls differ
