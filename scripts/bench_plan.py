@@ -4,8 +4,8 @@ The plan is built from synthetic step metadata as vLLM's runner gives it (host c
 lengths and `is_prefilling`; a block table): `batch` decoding requests around `cached` tokens plus one prefill chunk,
 so the stock sub-batch is built too. Two columns: the CUDA backend's host side (vLLM's CUDA block of 16; the
 device tensors on PyTorch's meta device, so the page-table gather and the one host-to-device copy cost only their
-dispatch, as queued CUDA work costs the host its launch), and the CPU backend's whole plan (block 128, 8 pages per
-block, the page table built on the CPU).
+dispatch, as queued CUDA work costs the host its launch), and the CPU backend's whole plan (block 16, one page per
+block as the plugin asks vLLM for on CPU, the page table built on the CPU).
 
     python scripts/bench_plan.py [--repeats 200]
 
@@ -78,13 +78,13 @@ def on_meta(cm: SimpleNamespace) -> SimpleNamespace:
 
 def table(plan, repeats: int) -> list[str]:
     """The markdown table of `plan`: the CUDA backend's host side (block 16, device tensors on meta) and the CPU
-    backend's whole plan (block 128, all on the CPU)."""
-    lines = ["| batch | cached tokens | CUDA: host side, block 16 (ms) | CPU: whole plan, block 128 (ms) |",
+    backend's whole plan (block 16, all on the CPU)."""
+    lines = ["| batch | cached tokens | CUDA: host side, block 16 (ms) | CPU: whole plan, block 16 (ms) |",
              "|---:|---:|---:|---:|"]
     for batch in BATCHES:
         for cached in CACHED:
             cuda = time_plan(plan, on_meta(step_metadata(batch, cached, 16)), 16, repeats)
-            cpu = time_plan(plan, step_metadata(batch, cached, 128), 128, repeats)
+            cpu = time_plan(plan, step_metadata(batch, cached, 16), 16, repeats)
             lines.append(f"| {batch} | {cached} | {cuda:.3f} | {cpu:.3f} |")
     return lines
 
