@@ -7,10 +7,10 @@ A request decodes sparsely when it computes one generated token (query length 1 
 cached length (counting the new token) is below the pages it holds: our engine's rule.
 
 The metadata builder makes the plan once per step, for all layers. The decision reads only vLLM's host-side copies
-of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with numpy on the host (a numpy call costs about a
-microsecond, a torch call ten) and no Python loop over requests; the per-request results travel to the device in one host-to-device copy, and the page
-table is gathered there from vLLM's block table. Nothing is read back from the device. The decision is made here
-only: the backends read it from the plan.
+of the step (`query_start_loc_cpu`, `seq_lens_cpu_upper_bound`, `is_prefilling`), with numpy on the host (a numpy
+call costs about a microsecond, a torch call ten) and no Python loop over requests; the per-request results travel
+to the device in one host-to-device copy, and the page table is gathered there from vLLM's block table. Nothing
+is read back from the device. The decision is made here only: the backends read it from the plan.
 """
 
 from __future__ import annotations
