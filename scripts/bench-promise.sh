@@ -7,7 +7,8 @@
 # About 80 minutes on 2 idle CPU cores; a killed run continues where its last checkpoint left it.
 # SPARROW_SCHEDULE overrides the sparse schedule, SPARROW_SEEDS the seeds; SPARROW_DISTILL=1 trains the sparse runs
 # with DistillSparse (a LoRA adapter in the sparse actor, exact forward KL at lambda 1, lr 5e-4: the settings of
-# examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone.
+# examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone;
+# on the 4.6K-token prompts it needs more than 24 GiB of memory (BENCHMARKS, "DistillSparse on the long task").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
