@@ -7,8 +7,8 @@
 # About 80 minutes on 2 idle CPU cores; a killed run continues where its last checkpoint left it.
 # SPARROW_SCHEDULE overrides the sparse schedule, SPARROW_SEEDS the seeds; SPARROW_DISTILL=1 trains the sparse runs
 # with DistillSparse (a LoRA adapter in the sparse actor, exact forward KL at lambda 1, lr 5e-4: the settings of
-# examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone;
-# on the 4.6K-token prompts it needs more than 24 GiB of memory (BENCHMARKS, "DistillSparse on the long task").
+# examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone,
+# with --gradient-checkpointing: without it the updates on the 4.6K-token prompts need more than 24 GiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
@@ -18,7 +18,7 @@ SEEDS=${SPARROW_SEEDS:-0 1}
 DISTILL=()
 SUFFIX=
 if [ "${SPARROW_DISTILL:-0}" = 1 ]; then
-  DISTILL=(--distill --distill-kl forward --distill-lambda 1.0 --distill-lr 5e-4)
+  DISTILL=(--distill --distill-kl forward --distill-lambda 1.0 --distill-lr 5e-4 --gradient-checkpointing)
   SUFFIX=-distill
 fi
 mkdir -p "$OUT"

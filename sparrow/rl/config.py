@@ -99,6 +99,9 @@ class GRPOSection:
     loss_aggregation: str = option("token-mean", "how token losses are averaged: " + ", ".join(LOSS_AGGREGATIONS))
     mini_batches: int = option(1, "optimizer steps per GRPO step")
     micro_batch_size: int = option(4, "rows per forward and backward of the update (gradients accumulated)")
+    gradient_checkpointing: bool = option(False, "recompute each decoder layer in backward instead of keeping its "
+                                          "activations (policy and adapter updates): ~1.5 GB less per 1K prompt "
+                                          "tokens on SmolLM2-135M, for a second forward in backward")
     log_prob_micro_batch_size: int | None = option(None, "rows per forward without gradients (recompute, monitor, "
                                                    "KL reference; default --micro-batch-size): a whole group "
                                                    "computes its prompt once")

@@ -30,6 +30,7 @@ from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, sh
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int, option
 
+from .activation_checkpointing import checkpointed_layers
 from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, policy_loss
 
 DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
@@ -150,7 +151,7 @@ class Distiller:
         diffs = []
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        with _frozen(self.base):
+        with _frozen(self.base), checkpointed_layers(self.model, grpo.gradient_checkpointing):
             for piece in shared_prompt_pieces(batch, rows, grpo.micro_batch_size):
                 mask = batch.mask[piece]
                 valid = mask.bool()

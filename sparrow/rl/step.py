@@ -34,6 +34,7 @@ from sparrow.rollout import RolloutBackend
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
+from .activation_checkpointing import checkpointed_layers
 from .config import StepConfig
 from .losses import accumulation_share, compute_advantages, kl_penalty, policy_loss, tis_weights
 
@@ -212,7 +213,7 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
     with _Clock(step, "update"):
         policy.model.train()
         losses, grad_norms, clip_stats, kl_values, skipped = [], [], [], [], 0
-        with policy.dense():
+        with policy.dense(), checkpointed_layers(policy.model, grpo.gradient_checkpointing):
             for mini in torch.arange(len(step.completions)).chunk(grpo.mini_batches):
                 policy.optimizer.zero_grad(set_to_none=True)
                 tokens = batch.mask[mini].sum()

@@ -279,3 +279,24 @@ def test_generate_takes_an_adapter_and_refuses_a_directory_that_is_not_one(tmp_p
     assert main([*argv, "--adapter", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "is not a peft adapter directory" in err and "Traceback" not in err
+
+
+def test_gradient_checkpointing_gives_the_same_policy_and_adapter_steps():
+    """Both updates (the policy's and the adapter's, full KL) with checkpointed layers: same losses, gradient norms
+    and weights as without, so the option only trades memory for a second forward."""
+    plain, tok = load_model("tiny-qwen3")
+    completions = _rollouts(NativeBackend(plain, tok), [ex.prompt for ex in EXAMPLES], const(48))
+    rewards = [("bytes", byte_mean, 1.0)]
+    metrics, weights = [], []
+    for checkpointing in (False, True):
+        model, _, distiller = _adapted(DistillConfig(lr=1e-3, kl="forward"))
+        cfg = build(StepConfig, {"num_generations": 4, "max_new_tokens": 12, "micro_batch_size": 3,
+                                 "mini_batches": 2, "gradient_checkpointing": checkpointing})
+        optimizer = torch.optim.AdamW(base_parameters(model), lr=1e-3)
+        metrics.append(grpo_step(Policy(model, optimizer, distiller=distiller), ReplayBackend(completions),
+                                 EXAMPLES, rewards, const(48), cfg, seed=0))
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for key in ("loss", "grad_norm", "distill/loss", "distill/kl", "distill/grad_norm"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+    assert metrics[0]["distill/grad_norm"] > 0
+    assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*weights))
