@@ -4,8 +4,8 @@ A forward with gradients over a long prompt keeps every layer's activations unti
 tokens for SmolLM2-135M), and the update needs that forward's KV cache as an output for the completions.
 transformers' own gradient checkpointing switches the cache off, so here each decoder layer runs under
 `torch.utils.checkpoint` (non-reentrant) with the cache left on. Recomputing a layer in backward must see the
-cache as its first run did, not with its own keys appended a second time, so each run starts by restoring the
-cache layers' state from before the first run. Values and gradients equal those of the plain forward; the price
+cache as its first run did, not with its own keys appended a second time, so each run starts by restoring its
+cache layer's state from before the first run (only its own layer's: the others' earlier states would stay alive). Values and gradients equal those of the plain forward; the price
 is a second forward of every layer in backward.
 """
 
@@ -30,22 +30,32 @@ def _cache_of(kwargs: dict):
     return cache if cache is not None and hasattr(cache, "layers") else None
 
 
-def _checkpointed(forward):
+def _cache_index(layer) -> int | None:
+    """The cache layer a decoder layer writes (Llama, Qwen and most transformers models name it on self_attn)."""
+    return getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+
+
+def _checkpointed(forward, index: int | None):
+    """`forward` of decoder layer `index` (its cache layer; None: unknown, so every cache layer is restored)."""
+
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        cache = _cache_of(kwargs)
-        before = [dict(vars(layer)) for layer in cache.layers] if cache is not None else []
-
-        def again(*a, **k):
-            if cache is not None:
-                del cache.layers[len(before):]
-                for layer, state in zip(cache.layers, before, strict=True):
-                    vars(layer).clear()
-                    vars(layer).update(state)
-            return forward(*a, **k)
-
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        cache = _cache_of(kwargs)
+        layers = [] if cache is None else cache.layers
+        own = index is not None and index < len(layers)
+        kept = {i: dict(vars(layers[i])) for i in ([index] if own else range(len(layers)))}
+        count = len(layers)
+
+        def again(*a, **k):
+            if not own:
+                del layers[count:]
+            for i, state in kept.items():
+                vars(layers[i]).clear()
+                vars(layers[i]).update(state)
+            return forward(*a, **k)
+
         return checkpoint(again, *args, use_reentrant=False, **kwargs)
 
     return run
@@ -66,7 +76,7 @@ def checkpointed_layers(model, enabled: bool = True):
                            "checkpoint; turn gradient_checkpointing off for this model")
     own = [vars(layer).get("forward") for layer in layers]
     for layer in layers:
-        layer.forward = _checkpointed(layer.forward)
+        layer.forward = _checkpointed(layer.forward, _cache_index(layer))
     try:
         yield
     finally:

@@ -48,8 +48,12 @@ def _sparse(model):
     return logits.detach()
 
 
+@pytest.mark.parametrize("known_index", [True, False], ids=["own-cache-layer", "all-cache-layers"])
 @pytest.mark.parametrize("backward_of", [_shared_prompt, _sparse], ids=["shared-prompt", "sparse"])
-def test_checkpointed_layers_give_the_same_logits_and_gradients(tiny, backward_of):
+def test_checkpointed_layers_give_the_same_logits_and_gradients(tiny, backward_of, known_index, monkeypatch):
+    """Also for layers whose cache index is unknown: then every cache layer is restored before a recompute."""
+    if not known_index:
+        monkeypatch.setattr("sparrow.rl.activation_checkpointing._cache_index", lambda layer: None)
     model = copy.deepcopy(tiny[0]).float().train()
     plain_logits, plain = _grads(model, backward_of, enabled=False)
     logits, grads = _grads(model, backward_of, enabled=True)
