@@ -1,0 +1,79 @@
+"""Rollout-phase throughput (prefill + decode + sampling, tokens/s) of dense and sparse actors on real prompts,
+measured alternately in one process so that every configuration sees the same machine state.
+
+Each prompt is rolled out `--samples` times per configuration, the configurations one after another per prompt
+(the training rollout: one group per call, `NativeBackend.generate`). A configuration is a schedule, with `+adapter`
+for the sparse actor with the LoRA adapter of `--adapter` on (DistillSparse); without it the adapter is off.
+
+    .venv/bin/python scripts/bench_rollout_phase.py --prompts runs/bench/promise/train.jsonl --count 4 \
+        --model CKPT --adapter CKPT/adapter --configs dense,0:1024+adapter,0:1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--adapter", default=None, help="peft adapter directory (for +adapter configurations)")
+    parser.add_argument("--prompts", required=True, help="JSONL prompt file (sparrow prompts)")
+    parser.add_argument("--count", type=int, default=4, help="prompts, the file's first")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--num-logprobs", type=int, default=64)
+    parser.add_argument("--configs", default="dense,0:1024", help="comma-separated schedules, each +adapter or not")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparrow.datasets import DataSpec, load_examples
+    from sparrow.engine import SamplingParams
+    from sparrow.errors import SparrowError
+    from sparrow.lora import load_adapter
+    from sparrow.models import load_model
+    from sparrow.rollout import NativeBackend
+    from sparrow.schedules import parse_schedule
+
+    configs = [(c.removesuffix("+adapter"), c.endswith("+adapter")) for c in args.configs.split(",")]
+    if any(on for _, on in configs) and not args.adapter:
+        raise SparrowError("a +adapter configuration needs --adapter DIR")
+    schedules = {spec: parse_schedule(spec) for spec, _ in configs}
+    model, tok = load_model(args.model)
+    if args.adapter:
+        model = load_adapter(model, args.adapter)
+    backend = NativeBackend(model, tok)
+    examples = load_examples(DataSpec(args.prompts))[: args.count]
+    totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0} for c in args.configs.split(",")}
+    for i, ex in enumerate(examples):
+        for name, (spec, adapter) in zip(totals, configs, strict=True):
+            sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      seed=args.seed + i, num_logprobs=args.num_logprobs)
+            began = time.perf_counter()
+            with torch.no_grad():
+                out = backend.generate([ex.prompt], sampling, schedules[spec], args.samples, adapter=adapter)
+            seconds = time.perf_counter() - began
+            tokens = sum(len(c.token_ids) for c in out)
+            t = totals[name]
+            t["tokens"] += tokens
+            t["seconds"] += seconds
+            for phase in ("prefill", "decode"):
+                t[f"{phase}_s"] += backend.timing.get(phase, 0.0)
+            print(json.dumps({"prompt": i, "config": name, "tokens": tokens, "seconds": round(seconds, 2),
+                              "tokens_per_s": round(tokens / seconds, 2)}), flush=True)
+    first = next(iter(totals.values()))
+    for name, t in totals.items():
+        rate = t["tokens"] / t["seconds"]
+        print(json.dumps({"config": name, "tokens": t["tokens"], "seconds": round(t["seconds"], 1),
+                          "prefill_s": round(t["prefill_s"], 1), "decode_s": round(t["decode_s"], 1),
+                          "tokens_per_s": round(rate, 2),
+                          "speedup": round(rate / (first["tokens"] / first["seconds"]), 3)}))
+
+
+if __name__ == "__main__":
+    main()
