@@ -8,7 +8,8 @@
 # SPARROW_SCHEDULE overrides the sparse schedule, SPARROW_SEEDS the seeds; SPARROW_DISTILL=1 trains the sparse runs
 # with DistillSparse (a LoRA adapter in the sparse actor, exact forward KL at lambda 1, lr 5e-4: the settings of
 # examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone,
-# with --gradient-checkpointing: without it the updates on the 4.6K-token prompts need more than 24 GiB.
+# with --gradient-checkpointing: without it the updates on the 4.6K-token prompts need more than 24 GiB. At 0:1024
+# with DistillSparse both seeds ended level with dense (BENCHMARKS, round 3 session 6); ~43 min a sparse run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
