@@ -5,8 +5,9 @@ tokens for SmolLM2-135M), and the update needs that forward's KV cache as an out
 transformers' own gradient checkpointing switches the cache off, so here each decoder layer runs under
 `torch.utils.checkpoint` (non-reentrant) with the cache left on. Recomputing a layer in backward must see the
 cache as its first run did, not with its own keys appended a second time, so each run starts by restoring its
-cache layer's state from before the first run (only its own layer's: the others' earlier states would stay alive). Values and gradients equal those of the plain forward; the price
-is a second forward of every layer in backward.
+cache layer's state from before the first run (only its own layer's: the others' earlier states would stay
+alive). Values and gradients equal those of the plain forward; the price is a second forward of every layer in
+backward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from sparrow.errors import SparrowError
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -70,8 +73,6 @@ def checkpointed_layers(model, enabled: bool = True):
     """
     layers = decoder_layers(model) if enabled else []
     if enabled and not layers:
-        from sparrow.errors import SparrowError
-
         raise SparrowError(f"gradient_checkpointing: {type(model).__name__} has no transformers decoder layers to "
                            "checkpoint; turn gradient_checkpointing off for this model")
     own = [vars(layer).get("forward") for layer in layers]
