@@ -2,12 +2,14 @@
 
 Per sparse run: mean acceptance (token-weighted over steps), p5 and p1 (medians over steps of the exact monitor's),
 reward retention (its rollouts' mean reward over the dense run's, step for step), held-out difference from dense
-at the last evaluation (paired over prompts, 95% interval), and whether it fell behind (retention below
---behind-below, or the held-out interval wholly below 0). Then Spearman's rho of each statistic against retention,
+at the last evaluation (paired over prompts, 95% interval), and whether it fell behind, shown per criterion: in
+training (retention below --behind-below) and held-out (the interval wholly below 0); either counts. Then Spearman's rho of each statistic against retention,
 and the pairs whose means agree within 0.01 while their p5 differ by >= 0.05. Runs known only from earlier
 tables can be added with --extra (a JSON list of {"name", "mean", "p5", "p1", "retention", "behind"}).
 
     .venv/bin/python scripts/tail_vs_mean.py runs/bench/promise/sparse-0-3072-seed0=runs/bench/promise/dense-seed0
+
+A pair may end in `=LABEL` to name the run in the table (default: the sparse run's directory name).
 """
 
 from __future__ import annotations
@@ -29,11 +31,20 @@ def _rows(run: Path, name: str) -> list[dict]:
     return [row for _, row in read_jsonl(path, torn_tail_ok=True)] if path.is_file() else []
 
 
-def _held_out(sparse: Path, dense: Path) -> tuple[float, float, float] | None:
-    a, b = _rows(sparse, "eval.jsonl"), _rows(dense, "eval.jsonl")
-    if not a or not b:
+def _per_example(run: Path) -> list | None:
+    """Per-prompt held-out means of a run's last evaluation: from eval.jsonl, or for logs older than that field
+    from `eval-step<N>-per-prompt.json` beside it (`sparrow eval --json` of the step-N checkpoint)."""
+    rows = _rows(run, "eval.jsonl")
+    if not rows:
         return None
-    x, y = a[-1].get("eval/per_example_mean"), b[-1].get("eval/per_example_mean")
+    if "eval/per_example_mean" in rows[-1]:
+        return rows[-1]["eval/per_example_mean"]
+    redone = run / f"eval-step{rows[-1].get('step')}-per-prompt.json"
+    return json.loads(redone.read_text()).get("per_example_mean") if redone.is_file() else None
+
+
+def _held_out(sparse: Path, dense: Path) -> tuple[float, float, float] | None:
+    x, y = _per_example(sparse), _per_example(dense)
     if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y) or len(x) < 2:
         return None
     return paired_difference(x, y)
@@ -45,7 +56,8 @@ def _only_bin_p1(row: dict) -> float:
     return bins[0] if len(bins) == 1 else math.nan
 
 
-def summarise(sparse: Path, dense: Path, behind_below: float) -> tuple[RunOutcome, tuple | None]:
+def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None = None
+              ) -> tuple[RunOutcome, tuple | None]:
     rows, base = _rows(sparse, "metrics.jsonl"), _rows(dense, "metrics.jsonl")
     if not rows or not base:
         sys.exit(f"{sparse} or {dense} has no metrics.jsonl")
@@ -60,32 +72,39 @@ def summarise(sparse: Path, dense: Path, behind_below: float) -> tuple[RunOutcom
     p1s = [r.get("mismatch/exact/p1", _only_bin_p1(r)) for r in monitored]
     held = _held_out(sparse, dense)
     behind = retention < behind_below or (held is not None and held[2] < 0)
-    return RunOutcome(sparse.name, mean, median(r["mismatch/exact/p5"] for r in monitored),
+    return RunOutcome(label or sparse.name, mean, median(r["mismatch/exact/p5"] for r in monitored),
                       median(p1s) if not any(map(math.isnan, p1s)) else math.nan, retention, behind), held
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("pairs", nargs="*", help="SPARSE_RUN_DIR=DENSE_RUN_DIR")
+    parser.add_argument("pairs", nargs="*", help="SPARSE_RUN_DIR=DENSE_RUN_DIR[=LABEL]")
     parser.add_argument("--extra", help="JSON list of earlier runs' summaries")
     parser.add_argument("--behind-below", type=float, default=0.9, help="retention below which a run fell behind")
     args = parser.parse_args(argv)
     runs, held = [], {}
     for pair in args.pairs:
-        if "=" not in pair:
-            sys.exit(f"expected SPARSE_RUN_DIR=DENSE_RUN_DIR, got {pair!r}")
-        sparse, dense = (Path(p) for p in pair.split("=", 1))
-        run, held[sparse.name] = summarise(sparse, dense, args.behind_below)
+        parts = pair.split("=")
+        if len(parts) not in (2, 3) or not all(parts):
+            sys.exit(f"expected SPARSE_RUN_DIR=DENSE_RUN_DIR or SPARSE_RUN_DIR=DENSE_RUN_DIR=LABEL, got {pair!r}")
+        label = parts[2] if len(parts) == 3 else None
+        run, outcome = summarise(Path(parts[0]), Path(parts[1]), args.behind_below, label)
+        if run.name in held:
+            sys.exit(f"two runs are named {run.name!r}; give them labels (SPARSE_RUN_DIR=DENSE_RUN_DIR=LABEL)")
+        held[run.name] = outcome
         runs.append(run)
     if args.extra:
         runs += [RunOutcome(**row) for row in json.loads(Path(args.extra).read_text())]
-    print("| run | mean acceptance | p5 | p1 | reward retention | held-out vs dense [95%] | fell behind |")
+    print("| run | mean acceptance | p5 | p1 | reward retention | held-out vs dense [95%] | fell behind: training "
+          "/ held-out |")
     print("|---|---|---|---|---|---|---|")
     for r in runs:
         h = held.get(r.name)
         shown = f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]" if h else "-"
-        print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {r.p1:.3f} | {r.retention:.2f} | {shown} | "
-              f"{'yes' if r.behind else 'no'} |")
+        in_training = "yes" if r.retention < args.behind_below else "no"
+        held_out = "-" if h is None else "yes" if h[2] < 0 else "no"
+        verdict = f"{in_training} / {held_out}" if r.name in held else ("yes" if r.behind else "no")
+        print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {r.p1:.3f} | {r.retention:.2f} | {shown} | {verdict} |")
     print()
     for name, (rho, p, count) in rank_correlations(runs).items():
         print(f"- Spearman rho of {name} against retention: {rho:+.2f} (p {p:.2g}, {count} runs where it is known)")

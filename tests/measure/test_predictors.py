@@ -50,4 +50,27 @@ def test_the_script_pairs_sparse_with_dense_runs(tmp_path):
     out = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense"],
                          capture_output=True, text=True, check=True).stdout
     # retention 0.6 / 0.8; held-out differences -0.1, 0, -0.2
-    assert "| sparse | 0.925 | 0.850 | 0.500 | 0.75 | -0.100 [" in out and "| yes |" in out
+    assert "| sparse | 0.925 | 0.850 | 0.500 | 0.75 | -0.100 [" in out and "| yes / no |" in out
+    labelled = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense=mine",
+                               "--behind-below", "0.7"], capture_output=True, text=True, check=True).stdout
+    assert "| mine | 0.925 |" in labelled and "| no / no |" in labelled
+    twice = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense",
+                            f"{tmp_path}/sparse={tmp_path}/dense"], capture_output=True, text=True)
+    assert twice.returncode != 0 and "two runs are named 'sparse'" in twice.stderr
+
+
+def test_the_script_reads_a_redone_per_prompt_evaluation_for_older_logs(tmp_path):
+    for name, reward, held in (("dense", 0.5, [0.5, 0.5, 0.6]), ("sparse", 0.4, [0.4, 0.5, 0.4])):
+        (tmp_path / name).mkdir()
+        row = {"step": 1, "reward/mean": reward}
+        if name == "sparse":
+            row.update({"mismatch/exact/mean": 0.9, "mismatch/exact/p5": 0.8, "mismatch/exact/p1": 0.5,
+                        "mismatch/exact/tokens": 10})
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        (tmp_path / name / "eval.jsonl").write_text(json.dumps({"step": 10, "eval/mean@4": sum(held) / 3}) + "\n")
+    script = [sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense"]
+    assert "| - | yes / - |" in subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    for name, held in (("dense", [0.5, 0.5, 0.6]), ("sparse", [0.4, 0.5, 0.4])):
+        (tmp_path / name / "eval-step10-per-prompt.json").write_text(json.dumps({"per_example_mean": held}))
+    out = subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    assert "| 0.80 | -0.100 [" in out and "| yes / no |" in out
