@@ -9,7 +9,7 @@ from pathlib import Path
 from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
-from sparrow.measure.profiling import LENGTH_ORIGINS, prompts_hash, run_profile
+from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, prompts_hash, run_profile
 from sparrow.options import (
     AdaptedModelSection,
     RewardSection,
@@ -101,7 +101,7 @@ def run(args) -> int:
                      "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos},
         "sparse": dataclasses.asdict(sparse), "dtype": config.model.dtype,
         "prompt_tokens_mean": sum(len(encode_prompt(tokenizer, p, config.chat)) for p in prompts) / len(prompts),
-        **({"reward": config.rewards.names} if rewards else {}),
+        **({"reward": config.rewards.names, "answers_hash": answers_hash(examples)} if rewards else {}),
     }
     if sampling.top_k:
         meta["sampling"]["top_k"] = sampling.top_k

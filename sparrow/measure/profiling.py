@@ -67,6 +67,13 @@ def prompts_hash(prompts: list) -> str:
     return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def answers_hash(examples: list) -> str:
+    """What the rewards score against (each example's answer and other columns): a resumed profile whose stored
+    rewards were scored against other answers is refused."""
+    rows = [[e.answer, e.columns] for e in examples]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling: SamplingParams,
                      samples_per_prompt: int, sparse: SparseConfig, progress: bool = False,
                      reward=None) -> ScheduleSample:
@@ -169,7 +176,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
     out_dir.mkdir(parents=True, exist_ok=True)
     key = json.loads(json.dumps({**{k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
                                                         "sparse", "chat", "dtype")}, "adapter": meta.get("adapter"),
-                      "reward": meta.get("reward")}))
+                      "reward": meta.get("reward"), "answers_hash": meta.get("answers_hash")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
         try:

@@ -142,3 +142,18 @@ def test_retention_is_read_back_as_written():
     profile["schedules"]["const:256"]["reward"] = json.loads(json.dumps(summary))
     retention = profile_retention(profile)["const:256"]
     assert retention.value == 1.0 and retention.prompts == 2 and retention.pairs == 4
+
+
+def test_a_resumed_profile_with_other_answers_is_refused(tmp_path, capsys):
+    """Stored rewards were scored against the answers of the first run: new answers must not reuse them."""
+    prompts, reward, out = tmp_path / "prompts.jsonl", tmp_path / "reward.py", tmp_path / "prof"
+    reward.write_text(REWARD)
+    args = ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--schedules", "const:48",
+            "--samples-per-prompt", "2", "--max-new-tokens", "8", "--bin-size", "64", "--out", str(out),
+            "--reward", f"{reward}:length_reward"]
+    prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "7"}) + "\n" for n in (120, 77)))
+    assert main(args) == 0
+    assert main(args) == 0 and "done earlier" in capsys.readouterr().out  # same answers: resumes
+    prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "3"}) + "\n" for n in (120, 77)))
+    assert main(args) != 0
+    assert "answers_hash differ" in capsys.readouterr().err
