@@ -28,14 +28,20 @@ from sparrow.schedules import Schedule
 
 
 def rollout_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                  completion_mask: torch.Tensor, pad_id: int = 0) -> RolloutBatch:
+                  completion_mask: torch.Tensor, pad_id: int = 0,
+                  tool_mask: torch.Tensor | None = None) -> RolloutBatch:
     """TRL's rollout tensors ([B, P] left-padded prompts, [B, C] right-padded completions, 1/0 masks) as a
     RolloutBatch: prompt + completion right-padded per row, `mask` over the generated tokens, `positions` the
-    cached length at which each was decoded. Fields the monitor does not read (log-probs, top-K, budgets) are 0."""
+    cached length at which each was decoded. With TRL's `tool_mask` ([B, C], 0 on tool results) the tokens a tool
+    wrote stay in the context but leave the mask: the sparse actor did not sample them. Fields the monitor does not
+    read (log-probs, top-K, budgets) are 0."""
     if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
         raise SparrowError(f"prompt ids {tuple(prompt_ids.shape)} / mask {tuple(prompt_mask.shape)} and completion "
                            f"ids {tuple(completion_ids.shape)} / mask {tuple(completion_mask.shape)}: expected each "
                            "mask to have its ids' shape")
+    if tool_mask is not None and tool_mask.shape != completion_ids.shape:
+        raise SparrowError(f"tool mask {tuple(tool_mask.shape)} and completion ids {tuple(completion_ids.shape)}: "
+                           "expected the tool mask to have the completion ids' shape")
     rows = prompt_ids.shape[0]
     prompt_lengths = prompt_mask.sum(dim=1).long().cpu()
     lengths = completion_mask.sum(dim=1).long().cpu()
@@ -47,7 +53,7 @@ def rollout_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
         p, n = int(prompt_lengths[row]), int(lengths[row])
         ids[row, :p] = prompt_ids[row][prompt_mask[row].bool()].cpu()
         ids[row, p:p + n] = completion_ids[row, :n].cpu()
-        mask[row, p - 1:p - 1 + n] = 1.0
+        mask[row, p - 1:p - 1 + n] = 1.0 if tool_mask is None else tool_mask[row, :n].float().cpu()
         positions[row, p - 1:p - 1 + n] = p + torch.arange(n)
     zeros = torch.zeros(rows, width - 1)
     return RolloutBatch(ids, prompt_lengths, mask, zeros, zeros.long()[..., None], zeros[..., None], zeros.long(),

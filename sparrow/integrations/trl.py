@@ -133,7 +133,7 @@ class SparrowGRPOTrainer(GRPOTrainer):
         """[tokens of all processes, len(schedules) + 1]: each measured token's acceptance under each schedule,
         then its position."""
         batch = rollout_batch(output["prompt_ids"], output["prompt_mask"], output["completion_ids"],
-                              output["completion_mask"])
+                              output["completion_mask"], tool_mask=output.get("tool_mask"))
         rows = monitored_rows(batch.input_ids.shape[0], self.sparrow.monitor_share)
         model = self.accelerator.unwrap_model(self.model)
         local = measure(model, batch, rows, schedules, self.sparrow.sparse, self.temperature)

@@ -82,6 +82,24 @@ def test_only_a_share_of_the_rows_is_measured(rollouts):
     assert rows == 3 and got["current"].numel() == sum(len(c.token_ids) for c in completions[:3])
 
 
+def test_tool_result_tokens_stay_in_the_context_but_are_not_measured(rollouts):
+    """TRL's tool_mask: 0 on tokens a tool wrote. They are context for later tokens, not samples of the actor."""
+    model, completions = rollouts
+    tensors = trl_tensors(completions)
+    tool_mask = torch.ones_like(tensors[3])
+    tool_mask[:, 5:12] = 0  # every completion is >= 25 tokens: 7 tool tokens in each
+    plain = measure(model, rollout_batch(*tensors), len(completions), {"current": SCHEDULE}, SparseConfig(),
+                    TEMPERATURE)
+    tooled = measure(model, rollout_batch(*tensors, tool_mask=tool_mask), len(completions), {"current": SCHEDULE},
+                     SparseConfig(), TEMPERATURE)
+    keep = np.concatenate([np.r_[np.ones(5), np.zeros(7), np.ones(len(c.token_ids) - 12)] for c in completions])
+    assert tooled["current"].numel() == plain["current"].numel() - 7 * len(completions)
+    np.testing.assert_allclose(tooled["current"].numpy(), plain["current"].numpy()[keep == 1], atol=1e-6)
+    assert tooled["positions"].numpy().tolist() == plain["positions"].numpy()[keep == 1].tolist()
+    with pytest.raises(SparrowError, match="tool mask"):
+        rollout_batch(*tensors, tool_mask=tool_mask[:, :3])
+
+
 def test_the_verdict_words_below_tau_only_when_the_interval_is_below():
     gen = np.random.default_rng(0)
     positions = np.concatenate([np.full(400, 10), np.full(400, 130)])
