@@ -6,7 +6,8 @@ once by the dense policy. Retention is the ratio of their mean rewards, R = mean
 interval comes from the delta method for a ratio of means: the linearised residuals e_i = (x_i - R y_i) / mean(y)
 have mean zero and var(R) ~ var(sum e) / n^2. Samples of one prompt are correlated, so the residuals are summed
 per prompt (cluster-robust variance, G clusters) and the interval uses Student's t with G - 1 degrees of freedom.
-A retention level is "held" when the whole interval is at or above it, "lost" when the whole interval is below
+When no reward is negative the ratio cannot be, so the lower bound is cut at 0 (a few pairs otherwise give
+intervals like [-1.1, 3.0]). A retention level is "held" when the whole interval is at or above it, "lost" when the whole interval is below
 it, and "undecided" otherwise (also when there are fewer than two prompts, or the dense mean is 0).
 """
 
@@ -75,7 +76,8 @@ def reward_retention(sparse: Sequence[float], dense: Sequence[float], groups: Se
     residual_sums = np.bincount(clusters, weights=(x - ratio * y) / dense_mean, minlength=count)
     variance = count / (count - 1) * float(np.sum(residual_sums ** 2)) / x.size ** 2
     half = float(stats.t.ppf(0.5 + confidence / 2, count - 1)) * math.sqrt(variance)
-    return Retention(ratio, ratio - half, ratio + half, sparse_mean, dense_mean, int(x.size), count)
+    low = max(0.0, ratio - half) if (x >= 0).all() and (y >= 0).all() else ratio - half
+    return Retention(ratio, low, ratio + half, sparse_mean, dense_mean, int(x.size), count)
 
 
 def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:

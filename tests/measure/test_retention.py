@@ -13,7 +13,9 @@ def test_retention_and_its_interval_on_hand_computed_pairs():
     r = reward_retention([1, 0, 1, 1], [1, 1, 1, 1])
     half = stats.t.ppf(0.975, 3) * 0.25
     assert r.value == 0.75 and (r.pairs, r.prompts) == (4, 4)
-    assert r.low == pytest.approx(0.75 - half) and r.high == pytest.approx(0.75 + half)
+    assert 0.75 - half < 0 and r.low == 0.0 and r.high == pytest.approx(0.75 + half)  # no reward below 0
+    wider = reward_retention([1, 0, 1, 1] * 4, [1, 1, 1, 1] * 4)  # 16 pairs: var 16/15 * 3 / 256
+    assert wider.low == pytest.approx(0.75 - stats.t.ppf(0.975, 15) * np.sqrt(16 / 15 * 3) / 16)
 
 
 def test_identical_rewards_retain_everything_with_no_width():
@@ -29,6 +31,15 @@ def test_pairs_of_one_prompt_are_one_cluster():
     assert alone.value == grouped.value == 0.5 and grouped.prompts == 3
     # residual sums per prompt [1, -1, 0] / 6 pairs: var = 3/2 * 2 / 36; t with 2 degrees of freedom
     assert grouped.high - grouped.value == pytest.approx(stats.t.ppf(0.975, 2) * np.sqrt(1.5 * 2 / 36))
+
+
+def test_the_lower_bound_stops_at_zero_only_when_no_reward_is_negative():
+    sparse, dense = [1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]
+    half = stats.t.ppf(0.975, 2) * np.sqrt(1.5 * 2 / 36)  # 1.24: the delta interval reaches 0.5 - 1.24 < 0
+    grouped = reward_retention(sparse, dense, groups=[0, 0, 1, 1, 2, 2])
+    assert grouped.low == 0.0 and grouped.high == pytest.approx(0.5 + half)
+    signed = reward_retention([1, 1, -1, -1, 1, -1], [1, 1, 1, 1, 1, 1], groups=[0, 0, 1, 1, 2, 2])
+    assert signed.value == 0.0 and signed.low == pytest.approx(-2 * half)
 
 
 def test_verdicts_and_undefined_cases():
