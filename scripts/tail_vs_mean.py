@@ -3,8 +3,9 @@
 Per sparse run: mean acceptance (token-weighted over steps), p5 and p1 (medians over steps of the exact monitor's),
 reward retention (its rollouts' mean reward over the dense run's, step for step), held-out difference from dense
 at the last evaluation (paired over prompts, 95% interval), and whether it fell behind, shown per criterion: in
-training (retention below --behind-below) and held-out (the interval wholly below 0); either counts. Then Spearman's rho of each statistic against retention,
-and the pairs whose means agree within 0.01 while their p5 differ by >= 0.05. Runs known only from earlier
+training (retention below --behind-below) and held-out (the interval wholly below 0); either counts. Then
+Spearman's rho of each statistic against retention, and the pairs whose means agree within 0.01 while their p5
+differ by >= 0.05. Runs known only from earlier
 tables can be added with --extra (a JSON list of {"name", "mean", "p5", "p1", "retention", "behind"}).
 
     .venv/bin/python scripts/tail_vs_mean.py runs/bench/promise/sparse-0-3072-seed0=runs/bench/promise/dense-seed0
@@ -56,6 +57,11 @@ def _only_bin_p1(row: dict) -> float:
     return bins[0] if len(bins) == 1 else math.nan
 
 
+def _fell_behind(retention: float, held: tuple | None, behind_below: float) -> tuple[bool, bool]:
+    """(in training: retention below `behind_below`, held-out: the paired interval wholly below 0)."""
+    return retention < behind_below, held is not None and held[2] < 0
+
+
 def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None = None
               ) -> tuple[RunOutcome, tuple | None]:
     rows, base = _rows(sparse, "metrics.jsonl"), _rows(dense, "metrics.jsonl")
@@ -71,7 +77,7 @@ def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None 
     mean = sum(r["mismatch/exact/mean"] * r["mismatch/exact/tokens"] for r in monitored) / tokens
     p1s = [r.get("mismatch/exact/p1", _only_bin_p1(r)) for r in monitored]
     held = _held_out(sparse, dense)
-    behind = retention < behind_below or (held is not None and held[2] < 0)
+    behind = any(_fell_behind(retention, held, behind_below))
     return RunOutcome(label or sparse.name, mean, median(r["mismatch/exact/p5"] for r in monitored),
                       median(p1s) if not any(map(math.isnan, p1s)) else math.nan, retention, behind), held
 
@@ -101,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         h = held.get(r.name)
         shown = f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]" if h else "-"
-        in_training = "yes" if r.retention < args.behind_below else "no"
-        held_out = "-" if h is None else "yes" if h[2] < 0 else "no"
-        verdict = f"{in_training} / {held_out}" if r.name in held else ("yes" if r.behind else "no")
+        in_training, held_out = ("yes" if b else "no" for b in _fell_behind(r.retention, h, args.behind_below))
+        verdict = f"{in_training} / {held_out if h else '-'}" if r.name in held else ("yes" if r.behind else "no")
         print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {r.p1:.3f} | {r.retention:.2f} | {shown} | {verdict} |")
     print()
     for name, (rho, p, count) in rank_correlations(runs).items():

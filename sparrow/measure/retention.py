@@ -7,8 +7,9 @@ interval comes from the delta method for a ratio of means: the linearised residu
 have mean zero and var(R) ~ var(sum e) / n^2. Samples of one prompt are correlated, so the residuals are summed
 per prompt (cluster-robust variance, G clusters) and the interval uses Student's t with G - 1 degrees of freedom.
 When no reward is negative the ratio cannot be, so the lower bound is cut at 0 (a few pairs otherwise give
-intervals like [-1.1, 3.0]). A retention level is "held" when the whole interval is at or above it, "lost" when the whole interval is below
-it, and "undecided" otherwise (also when there are fewer than two prompts, or the dense mean is 0).
+intervals like [-1.1, 3.0]). A retention level is "held" when the whole interval is at or above it, "lost" when
+the whole interval is below it, and "undecided" otherwise (also when there are fewer than two prompts, or the dense
+mean is 0).
 """
 
 from __future__ import annotations
