@@ -128,13 +128,14 @@ def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch
     _sync(engine.device)
     prefill_s = time.perf_counter() - start
     logits = logits.expand(batch, -1)
-    rates = {}
-    for name, sched in (("dense", DENSE), ("sparse", schedule)):
-        times = []
-        for r in range(repeats):
-            times.append(_time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
-        rates[name] = batch * steps / statistics.median(times)
-        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times) / steps:.1f} ms/step)")
+    configs = {"dense": DENSE, "sparse": schedule}
+    times = {name: [] for name in configs}
+    for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
+        for name, sched in configs.items():
+            times[name].append(_time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
+    rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / steps:.1f} ms/step)")
     hf_rate = None
     if hf:
         del cache
@@ -183,19 +184,20 @@ def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: 
     start = time.perf_counter()
     backend.generate(prompts, one, DENSE)
     prefill_s = time.perf_counter() - start
-    rates = {}
-    for name, sched in (("dense", DENSE), ("sparse", schedule)):
-        if sched is None:
-            continue
+    configs = {"dense": DENSE} if schedule is None else {"dense": DENSE, "sparse": schedule}
+    for sched in configs.values():
         backend.generate(prompts, many, sched)  # warm-up
-        times = []
-        for _ in range(repeats):
+    times = {name: [] for name in configs}
+    for _ in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
+        for name, sched in configs.items():
+            backend.generate(prompts, one, sched)  # untimed: a sparse call after a dense one rebuilds landmarks
             start = time.perf_counter()
             backend.generate(prompts, one, sched)
             base = time.perf_counter() - start
             start = time.perf_counter()
             backend.generate(prompts, many, sched)
-            times.append(time.perf_counter() - start - base)
-        rates[name] = batch * (steps - 1) / statistics.median(times)
-        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times) / (steps - 1):.1f} ms/step)")
+            times[name].append(time.perf_counter() - start - base)
+    rates = {name: batch * (steps - 1) / statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / (steps - 1):.1f} ms/step)")
     return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s)

@@ -37,6 +37,8 @@ class BenchConfig:
                           "(one engine), on distinct prompts")
     stock: bool = option(False, "with --backend vllm: also time stock vLLM (a child process without the plugin), for "
                          "the plugin's dense overhead")
+    block_size: int = option(0, "with --backend vllm: the plugin's KV block size on CPU (0: its default, "
+                             "sparrow.vllm.config.cpu_block_size; 128: stock vLLM's)")
 
     def validate(self) -> None:
         self.model.validate()
@@ -46,6 +48,11 @@ class BenchConfig:
         check_int("warmup", self.warmup, 0)
         check_int("seed", self.seed, 0)
         check_backend(self.backend, 0, None)
+        check_int("block_size", self.block_size, 0)
+        if self.block_size and (self.backend != "vllm" or self.block_size % 16
+                                or self.block_size % self.sparse.page_size):
+            raise SparrowError(f"--block-size {self.block_size}: needs --backend vllm and a multiple of 16 and of the "
+                               f"page size ({self.sparse.page_size})")
         if self.stock and self.backend != "vllm":
             raise SparrowError("--stock times stock vLLM beside the plugin: it needs --backend vllm")
         if self.backend == "vllm" and self.steps < 2:
@@ -146,8 +153,9 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
 
     directory, gib, length, args = _vllm_setup(config)
     log("vLLM with Sparrow's plugin:")
+    blocks = {"block_size": config.block_size} if config.block_size else {}
     backend = VLLMBackend(directory, tokenizer, config.sparse.config(), dtype=config.model.dtype, kv_cache_gib=gib,
-                          max_model_len=length, log=lambda m: None)
+                          max_model_len=length, log=lambda m: None, **blocks)
     try:
         result = run_vllm_benchmark(backend, config.sparse.parsed_schedule, log=log, **args)
     finally:

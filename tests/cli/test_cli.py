@@ -36,6 +36,8 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--landmark", "mean"], "unknown landmark"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--dense-layers", "0,9"], "out of range"),
     (["bench", "--model", "tiny-llama", "--schedule", "dense"], "other than 'dense'"),
+    (["bench", "--model", "tiny-llama", "--block-size", "128"], "--block-size 128: needs --backend vllm"),
+    (["bench", "--model", "tiny-llama", "--backend", "vllm", "--block-size", "40"], "a multiple of 16"),
 ])
 def test_bad_input_gives_one_clear_error(argv, message, capsys):
     assert main(argv) == 2
