@@ -78,6 +78,22 @@ def test_manifest_prompts_hold_the_codes_of_their_answer_in_order_inside_the_led
         assert example["prompt"][1] == {"role": "assistant", "content": "1. "}
 
 
+def test_a_manifest_of_more_codes_makes_a_longer_answer_from_the_same_ledger(tmp_path, capsys):
+    from sparrow.tasks import manifest
+
+    tok = tiny_tokenizer()
+    [example] = manifest.make_prompts(1, 800, seed=2, tokenizer=tok, codes=64)
+    text, codes = example["prompt"][0]["content"], example["answer"]
+    block = text[text.index("MANIFEST\n"):text.index("END OF MANIFEST")]
+    assert len(codes) == len(set(codes)) == 64 and re.findall(r"\d+\. (\d{5})", block) == codes
+    out = tmp_path / "long.jsonl"
+    assert main(["prompts", "--task", "manifest", "--codes", "40", "--model", "tiny-llama", "--count", "2",
+                 "--min-tokens", "300", "--out", str(out)]) == 0
+    assert [len(json.loads(line)["answer"]) for line in out.read_text().splitlines()] == [40, 40]
+    assert main(["prompts", "--task", "passkey", "--codes", "40", "--model", "tiny-llama"]) == 2
+    assert "codes 40: expected 1 to 1000, with --task manifest (got task 'passkey')" in capsys.readouterr().err
+
+
 def test_number_f1_gives_partial_credit_and_costs_extra_numbers():
     from sparrow.rewards.answer import number_f1_reward
 

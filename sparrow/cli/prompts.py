@@ -23,6 +23,8 @@ class PromptsConfig:
                                   "ledger, the answer started with '1. ' (answer: the codes, number_f1 reward; a "
                                   "long-generation task)")
     count: int = option(8, "number of prompts")
+    codes: int | None = option(None, "manifest only: codes in each manifest (default 16, about 150 answer tokens; "
+                                     "64 makes answers of about 600)")
     min_tokens: int = option(3000, "minimum prompt length in tokens, chat template included")
     max_tokens: int | None = option(None, "with it, prompt lengths spread evenly from min_tokens to max_tokens (a "
                                           "mixed-length set)")
@@ -32,6 +34,9 @@ class PromptsConfig:
 
     def validate(self) -> None:
         get_task(self.task)
+        if self.codes is not None and (self.task != "manifest" or not 1 <= self.codes <= 1000):
+            raise SparrowError(f"codes {self.codes}: expected 1 to 1000, with --task manifest (got task "
+                               f"{self.task!r})")
         if self.count < 1 or self.min_tokens < 1:
             raise SparrowError(f"count and min_tokens must be >= 1, got {self.count} and {self.min_tokens}")
         length_targets(self.count, self.min_tokens, self.max_tokens, self.seed)
@@ -49,7 +54,8 @@ def run(args) -> int:
     context = model.config.max_position_embeddings
     targets = length_targets(config.count, config.min_tokens, config.max_tokens, config.seed)
     _check_fits(config, "at least", max(targets), context)  # before building prompts that long
-    rows = get_task(config.task)(config.count, targets, config.seed, tokenizer)
+    extra = {} if config.codes is None else {"codes": config.codes}
+    rows = get_task(config.task)(config.count, targets, config.seed, tokenizer, **extra)
     _check_fits(config, "up to", max(prompt_length(tokenizer, row["prompt"]) for row in rows), context)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:

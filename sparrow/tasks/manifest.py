@@ -10,6 +10,7 @@ count and never recovers (F1 0.08 on 2K-token prompts); with it, F1 is 0.44 on 4
 
 from __future__ import annotations
 
+import functools
 import random
 
 from .fitting import fit_examples
@@ -36,7 +37,8 @@ def make_example(rng: random.Random, entries: int, codes: int = CODES) -> dict:
             "answer": manifest}
 
 
-def make_prompts(count: int, min_tokens: int | list[int], seed: int, tokenizer) -> list[dict]:
+def make_prompts(count: int, min_tokens: int | list[int], seed: int, tokenizer, codes: int = CODES) -> list[dict]:
     """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer` (one
-    length, or one per example)."""
-    return fit_examples(make_example, count, min_tokens, seed, tokenizer, tokens_per_entry=16)
+    length, or one per example), each with a manifest of `codes` codes (about 9 answer tokens a code)."""
+    return fit_examples(functools.partial(make_example, codes=codes), count, min_tokens, seed, tokenizer,
+                        tokens_per_entry=16)
