@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--num-logprobs", type=int, default=64)
     parser.add_argument("--configs", default="dense,0:1024", help="comma-separated schedules, each +adapter or not")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reward", default=None, help="also score each configuration's completions with this "
+                        "reward (a built-in name or module:function), as training does")
     args = parser.parse_args()
 
     import torch
@@ -36,6 +38,8 @@ def main() -> None:
     from sparrow.engine import SamplingParams
     from sparrow.errors import SparrowError
     from sparrow.lora import load_adapter
+    from sparrow.rewards import load_reward
+    from sparrow.rewards.scoring import score_examples
     from sparrow.models import load_model
     from sparrow.rollout import NativeBackend
     from sparrow.schedules import parse_schedule
@@ -44,12 +48,14 @@ def main() -> None:
     if any(on for _, on in configs) and not args.adapter:
         raise SparrowError("a +adapter configuration needs --adapter DIR")
     schedules = {spec: parse_schedule(spec) for spec, _ in configs}
+    reward_fns = [(args.reward, load_reward(args.reward), 1.0)] if args.reward else None
     model, tok = load_model(args.model)
     if args.adapter:
         model = load_adapter(model, args.adapter)
     backend = NativeBackend(model, tok)
     examples = load_examples(DataSpec(args.prompts))[: args.count]
-    totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0} for c in args.configs.split(",")}
+    totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "rewards": []}
+              for c in args.configs.split(",")}
     for i, ex in enumerate(examples):
         for name, (spec, adapter) in zip(totals, configs, strict=True):
             sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -64,15 +70,21 @@ def main() -> None:
             t["seconds"] += seconds
             for phase in ("prefill", "decode"):
                 t[f"{phase}_s"] += backend.timing.get(phase, 0.0)
-            print(json.dumps({"prompt": i, "config": name, "tokens": tokens, "seconds": round(seconds, 2),
-                              "tokens_per_s": round(tokens / seconds, 2)}), flush=True)
+            row = {"prompt": i, "config": name, "tokens": tokens, "seconds": round(seconds, 2),
+                   "tokens_per_s": round(tokens / seconds, 2)}
+            if reward_fns:
+                rewards = score_examples(reward_fns, [ex], out).totals
+                t["rewards"] += rewards
+                row["mean_reward"] = round(sum(rewards) / len(rewards), 4)
+            print(json.dumps(row), flush=True)
     first = next(iter(totals.values()))
     for name, t in totals.items():
         rate = t["tokens"] / t["seconds"]
         print(json.dumps({"config": name, "tokens": t["tokens"], "seconds": round(t["seconds"], 1),
                           "prefill_s": round(t["prefill_s"], 1), "decode_s": round(t["decode_s"], 1),
                           "tokens_per_s": round(rate, 2),
-                          "speedup": round(rate / (first["tokens"] / first["seconds"]), 3)}))
+                          "speedup": round(rate / (first["tokens"] / first["seconds"]), 3),
+                          **({"mean_reward": round(sum(t["rewards"]) / len(t["rewards"]), 4)} if reward_fns else {})}))
 
 
 if __name__ == "__main__":
