@@ -78,7 +78,7 @@ def test_manifest_prompts_hold_the_codes_of_their_answer_in_order_inside_the_led
         assert example["prompt"][1] == {"role": "assistant", "content": "1. "}
 
 
-def test_a_manifest_of_more_codes_makes_a_longer_answer_from_the_same_ledger(tmp_path, capsys):
+def test_codes_sets_the_manifest_length_and_only_the_manifest_task_takes_it(tmp_path, capsys):
     from sparrow.tasks import manifest
 
     tok = tiny_tokenizer()

@@ -37,8 +37,8 @@ class BenchConfig:
                           "(one engine), on distinct prompts")
     stock: bool = option(False, "with --backend vllm: also time stock vLLM (a child process without the plugin), for "
                          "the plugin's dense overhead")
-    block_size: int = option(0, "with --backend vllm: the plugin's KV block size on CPU (0: its default, "
-                             "sparrow.vllm.config.cpu_block_size; 128: stock vLLM's)")
+    block_size: int = option(0, "with --backend vllm: the plugin's KV block size on CPU (0: its default, one "
+                             "16-token page per block; 128: stock vLLM's)")
 
     def validate(self) -> None:
         self.model.validate()
