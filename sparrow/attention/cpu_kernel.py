@@ -1,4 +1,5 @@
-"""Optional compiled CPU kernel for one sparse decode step of one layer (see csrc/sparse_decode.cpp).
+"""Optional compiled CPU kernel for one decode step of one layer (see csrc/sparse_decode.cpp): sparse, and dense
+as the case where every page is kept (no page is scored then), which beats PyTorch's SDPA on the strided cache.
 
 The PyTorch path scores pages, selects them, gathers the selected keys and values into new tensors and then
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the

@@ -31,15 +31,17 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
     cache.write_token(layer, key[:, :, 0], value[:, :, 0], step)
     queries = query.view(batch, kv_heads, q_heads // kv_heads, dim)
     sparse = cache.sparse
-    if not step.sparse or layer in sparse.dense_layers:
+    dense = not step.sparse or layer in sparse.dense_layers
+    if sparse.page_landmark.compiled and cpu_kernel.usable(query):  # dense: every page kept, none scored
+        out = cpu_kernel.sparse_decode(queries, cache.keys[layer], cache.values[layer], cache.landmarks[layer],
+                                       step.n_pages, step.n_pages if dense else step.budget_pages, step.total,
+                                       sparse, scaling)
+        return out.reshape(batch, 1, q_heads, dim)
+    if dense:
         span = step.dense_mask.shape[-1]
         keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
         values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :span]
         mask = step.dense_mask
-    elif sparse.page_landmark.compiled and cpu_kernel.usable(query):
-        out = cpu_kernel.sparse_decode(queries, cache.keys[layer], cache.values[layer], cache.landmarks[layer],
-                                       step.n_pages, step.budget_pages, step.total, sparse, scaling)
-        return out.reshape(batch, 1, q_heads, dim)
     else:
         ps = sparse.page_size
         used = int(step.n_pages.max())

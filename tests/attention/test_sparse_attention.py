@@ -78,7 +78,7 @@ def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, sha
         assert torch.allclose(out[row, 0], want.view(hq, dim), atol=1e-5)
 
 
-def test_dense_layers_attend_to_every_token_whatever_the_budget():
+def test_dense_layers_attend_to_every_token_whatever_the_budget(decode_path):
     torch.manual_seed(1)
     sparse = SparseConfig(page_size=4)
     cache = KVCache(1, 1, 1, 4, 64, sparse, torch.float32, torch.device("cpu"))
@@ -92,11 +92,33 @@ def test_dense_layers_attend_to_every_token_whatever_the_budget():
     assert torch.allclose(out.flatten(), want.flatten(), atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_dense_step_attends_every_cached_token_of_each_row(shape, decode_path):
+    """A step without budgets (a dense schedule): rows of different lengths, partial last pages."""
+    torch.manual_seed(2)
+    page, hq, hkv, dim = shape
+    lengths = [37 * page // 4, 3, 60 * page // 4]
+    cache = KVCache(1, 3, hkv, dim, 16 * page, SparseConfig(page_size=page), torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(3, hkv, 61 * page // 4, dim), torch.randn(3, hkv, 61 * page // 4, dim)
+    for row, n in enumerate(lengths):
+        cache.write_prompt(0, torch.tensor([row]), keys[row, :, :n], values[row, :, :n])
+    cache.lengths = torch.tensor(lengths)
+    q = torch.randn(3, hq, 1, dim)
+    new_k = torch.stack([keys[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
+    new_v = torch.stack([values[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
+    out = decode_attention(q, new_k, new_v, cache, 0, cache.begin_step(None), 0.3)
+    group = hq // hkv
+    for row, n in enumerate(lengths):
+        k, v = keys[row, :, : n + 1].repeat_interleave(group, 0), values[row, :, : n + 1].repeat_interleave(group, 0)
+        want = torch.softmax(q[row, :, 0, None] @ k.transpose(1, 2) * 0.3, -1) @ v
+        assert torch.allclose(out[row, 0], want.squeeze(1), atol=1e-5)
+
+
 def _continuations(engine, prompts, schedule, sampling=GREEDY, n=1):
     return engine.generate(prompts, sampling, schedule, num_samples=n)
 
 
-def test_dense_greedy_equals_transformers_generate(tiny):
+def test_dense_greedy_equals_transformers_generate(tiny, decode_path):
     model, tok = tiny
     engine = RolloutEngine(model, tok)
     prompts = random_prompts([70, 23, 130])
