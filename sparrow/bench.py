@@ -74,6 +74,11 @@ def check_kv_cache_fits(config, dtype: torch.dtype, device: torch.device, batch:
 
 
 def _time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
+    with engine.linears.packed():  # as in generate
+        return _time_steps(engine, cache, logits, schedule, steps, warmup)
+
+
+def _time_steps(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
     tokens = sample(logits, GREEDY, None).tokens
     for _ in range(warmup):
         logits, _ = engine.decode_step(cache, tokens, schedule)

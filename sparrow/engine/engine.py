@@ -27,6 +27,7 @@ from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, Schedule
 
+from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import (
     KEY_LIMIT,
@@ -65,6 +66,7 @@ class RolloutEngine:
         self.device, self.dtype = param.device, param.dtype
         self.eos_ids = self._eos_ids()
         self.timing = {phase: 0.0 for phase in TIMED_PHASES}
+        self.linears = PackedLinears(model)  # decode's linear layers, packed for the span of a generate call
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -120,7 +122,8 @@ class RolloutEngine:
         budget = self.budgets(schedule, total)
         pages = None if schedule.is_dense else budget // self.sparse.page_size
         ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages))
-        logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
+        with self.linears.applied():
+            logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
         cache.lengths += 1
         return logits, budget
 
@@ -150,8 +153,8 @@ class RolloutEngine:
         self.timing = {phase: 0.0 for phase in TIMED_PHASES}
         per_wave = max(1, self.max_batch_size // num_samples)
         results: list[Completion] = []
-        with tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens, desc="generating", unit="tok",
-                  disable=not progress) as bar:
+        with self.linears.packed(), tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens,
+                                         desc="generating", unit="tok", disable=not progress) as bar:
             for start in range(0, len(prompts), per_wave):
                 wave = list(range(start, min(start + per_wave, len(prompts))))
                 seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in wave for s in range(num_samples)]

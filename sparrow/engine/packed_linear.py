@@ -1,0 +1,78 @@
+"""Decode-time linear layers with weights prepacked by oneDNN (float32 on CPU).
+
+A decode step multiplies a few rows by each weight: memory-bound work, yet PyTorch's default path (MKL's sgemm)
+repacks a large weight on every call; SmolLM2's 113 MB LM head ran at ~5 GB/s of a machine's ~30. oneDNN's
+prepacked weights (the path torch.compile's CPU freezing takes) are read as they are: the linear layers of a decode
+step at 8-16 rows take about half the time (BENCHMARKS.md, "Round 3, session 9").
+
+Packs are valid within a scope (`PackedLinears.packed`, one `generate` call) in which the weights do not change;
+they are made on first use and dropped at its end, so a training step's update is never missed (no version
+counter to trust: `param.data.copy_` does not bump it). Off under MKL's reproducible mode (`MKL_CBWR` set: oneDNN
+does not follow it, and the README promises bits across thread counts there) and with SPARROW_PACKED_LINEAR=0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def usable() -> bool:
+    """Whether this process may pack: oneDNN present, not turned off, MKL's reproducible mode not asked for."""
+    return (os.environ.get("SPARROW_PACKED_LINEAR", "1") != "0" and "MKL_CBWR" not in os.environ
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _packable(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module) is nn.Linear and weight is not None and weight.device.type == "cpu"
+            and weight.dtype == torch.float32)
+
+
+class PackedLinears:
+    """The float32 CPU `nn.Linear` layers of a model (peft's base layers and adapter matrices included), run with
+    prepacked weights inside `applied()` while a `packed()` scope is open."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._packs: dict[nn.Linear, torch.Tensor] | None = None  # None: no scope open
+        self._layers: list[nn.Linear] = []
+
+    @contextlib.contextmanager
+    def packed(self) -> Iterator[None]:
+        """A scope in which the model's weights do not change (nested scopes share the outer one's packs)."""
+        if self._packs is not None or not usable():
+            yield
+            return
+        self._packs, self._layers = {}, [m for m in self.model.modules() if _packable(m)]
+        try:
+            yield
+        finally:
+            self._packs, self._layers = None, []
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Forward calls in the body use the packed weights (plain PyTorch outside a `packed` scope)."""
+        if self._packs is None:
+            yield
+            return
+        for layer in self._layers:
+            layer.forward = self._forward_of(layer)
+        try:
+            yield
+        finally:
+            for layer in self._layers:
+                del layer.forward
+
+    def _forward_of(self, layer: nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            pack = self._packs.get(layer)
+            if pack is None:
+                rows = x.numel() // x.shape[-1]
+                pack = self._packs[layer] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
+            return torch.ops.mkldnn._linear_pointwise(x, pack, layer.bias, "none", [], "")
+        return forward
