@@ -73,7 +73,8 @@ def check_kv_cache_fits(config, dtype: torch.dtype, device: torch.device, batch:
                            "smaller --batch or --context")
 
 
-def _time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
+def time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
+    """Seconds of `steps` greedy decode steps from `logits` after `warmup` untimed ones (packing happens there)."""
     with engine.linears.packed():  # as in generate
         return _time_steps(engine, cache, logits, schedule, steps, warmup)
 
@@ -137,7 +138,7 @@ def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch
     times = {name: [] for name in configs}
     for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
         for name, sched in configs.items():
-            times[name].append(_time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
+            times[name].append(time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
     rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / steps:.1f} ms/step)")

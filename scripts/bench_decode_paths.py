@@ -1,0 +1,67 @@
+"""Decode step time of the native engine's code paths, measured alternately in one process: dense attention through
+PyTorch's SDPA or the compiled kernel (SPARROW_CPU_KERNEL), linear layers through MKL or oneDNN-packed weights
+(SPARROW_PACKED_LINEAR), for a dense and a sparse schedule, at one or more (cached tokens, batch) shapes.
+
+    .venv/bin/python scripts/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
+
+Prints one JSON line per (shape, configuration) with the median ms per step, and the sparse/dense ratio of the
+old paths (SDPA dense, MKL) and of the new (kernel dense, packed) per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+# (name, schedule kind, SPARROW_CPU_KERNEL, SPARROW_PACKED_LINEAR); the sparse schedule always takes the kernel
+CONFIGS = [("dense sdpa+mkl", "dense", "0", "0"), ("dense kernel+mkl", "dense", "1", "0"),
+           ("dense kernel+packed", "dense", "1", "1"), ("sparse mkl", "sparse", "1", "0"),
+           ("sparse packed", "sparse", "1", "1")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--shapes", default="1100x16,4700x8,8000x8", help="comma-separated CONTEXTxBATCH")
+    parser.add_argument("--schedule", default="const:1024")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    from sparrow.bench import machine_info, time_decode
+    from sparrow.engine import RolloutEngine
+    from sparrow.models import load_model
+    from sparrow.schedules import DENSE, parse_schedule
+
+    model, tok = load_model(args.model)
+    engine = RolloutEngine(model, tok, max_batch_size=256)
+    schedules = {"dense": DENSE, "sparse": parse_schedule(args.schedule)}
+    print(json.dumps({"machine": machine_info(engine.device), "schedule": args.schedule}), flush=True)
+    for shape in args.shapes.split(","):
+        context, batch = (int(x) for x in shape.split("x"))
+        prompt = torch.randint(0, 49000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+        cache = engine.new_cache(batch, context + (args.steps + 2) * (args.repeats + 1))
+        logits = engine.prefill(cache, prompt, torch.arange(batch)).expand(batch, -1)
+        times = {name: [] for name, *_ in CONFIGS}
+        for _ in range(args.repeats):
+            for name, kind, kernel, packed in CONFIGS:
+                os.environ["SPARROW_CPU_KERNEL"], os.environ["SPARROW_PACKED_LINEAR"] = kernel, packed
+                seconds = time_decode(engine, cache.clone(), logits, schedules[kind], args.steps, 2)
+                times[name].append(1000 * seconds / args.steps)
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        for name, value in ms.items():
+            print(json.dumps({"context": context, "batch": batch, "config": name, "ms_per_step": round(value, 1)}),
+                  flush=True)
+        print(json.dumps({"context": context, "batch": batch,
+                          "sparse_over_dense_old": round(ms["dense sdpa+mkl"] / ms["sparse mkl"], 3),
+                          "sparse_over_dense_new": round(ms["dense kernel+packed"] / ms["sparse packed"], 3),
+                          "dense_speedup": round(ms["dense sdpa+mkl"] / ms["dense kernel+packed"], 3),
+                          "sparse_speedup": round(ms["sparse mkl"] / ms["sparse packed"], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
