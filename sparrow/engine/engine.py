@@ -66,7 +66,7 @@ class RolloutEngine:
         self.device, self.dtype = param.device, param.dtype
         self.eos_ids = self._eos_ids()
         self.timing = {phase: 0.0 for phase in TIMED_PHASES}
-        self.linears = PackedLinears(model)  # decode's linear layers, packed for the span of a generate call
+        self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -96,8 +96,9 @@ class RolloutEngine:
                        self.device)
 
     def _forward(self, input_ids, position_ids, ctx: AttentionContext) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
-                         **{CONTEXT_KEY: ctx})
+        with self.linears.applied():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                             **{CONTEXT_KEY: ctx})
         return out.logits[:, -1].float()
 
     @torch.no_grad()
@@ -122,8 +123,7 @@ class RolloutEngine:
         budget = self.budgets(schedule, total)
         pages = None if schedule.is_dense else budget // self.sparse.page_size
         ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages))
-        with self.linears.applied():
-            logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
+        logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
         cache.lengths += 1
         return logits, budget
 
