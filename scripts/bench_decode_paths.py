@@ -5,7 +5,8 @@ PyTorch's SDPA or the compiled kernel (SPARROW_CPU_KERNEL), linear layers throug
     .venv/bin/python scripts/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
 
 Prints one JSON line per (shape, configuration) with the median ms per step, and the sparse/dense ratio of the
-old paths (SDPA dense, MKL) and of the new (kernel dense, packed) per shape.
+old paths (SDPA dense, MKL) and of the new (kernel dense, packed) per shape; then the prompt's prefill with MKL and
+with packed weights, alternately.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 # (name, schedule kind, SPARROW_CPU_KERNEL, SPARROW_PACKED_LINEAR); the sparse schedule always takes the kernel
 CONFIGS = [("dense sdpa+mkl", "dense", "0", "0"), ("dense kernel+mkl", "dense", "1", "0"),
@@ -61,6 +63,17 @@ def main() -> None:
                           "sparse_over_dense_new": round(ms["dense kernel+packed"] / ms["sparse packed"], 3),
                           "dense_speedup": round(ms["dense sdpa+mkl"] / ms["dense kernel+packed"], 3),
                           "sparse_speedup": round(ms["sparse mkl"] / ms["sparse packed"], 3)}), flush=True)
+        prefill = {"mkl": [], "packed": []}
+        for _ in range(args.repeats):
+            for name in prefill:
+                os.environ["SPARROW_PACKED_LINEAR"] = "0" if name == "mkl" else "1"
+                with engine.linears.packed():
+                    engine.prefill(cache, prompt[:64], torch.arange(batch))  # untimed: makes the packs
+                    began = time.perf_counter()
+                    engine.prefill(cache, prompt, torch.arange(batch))
+                    prefill[name].append(time.perf_counter() - began)
+        print(json.dumps({"context": context, **{f"prefill_s_{name}": round(statistics.median(t), 2)
+                                                  for name, t in prefill.items()}}), flush=True)
 
 
 if __name__ == "__main__":
