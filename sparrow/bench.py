@@ -76,21 +76,17 @@ def check_kv_cache_fits(config, dtype: torch.dtype, device: torch.device, batch:
 def time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
     """Seconds of `steps` greedy decode steps from `logits` after `warmup` untimed ones (packing happens there)."""
     with engine.linears.packed():  # as in generate
-        return _time_steps(engine, cache, logits, schedule, steps, warmup)
-
-
-def _time_steps(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
-    tokens = sample(logits, GREEDY, None).tokens
-    for _ in range(warmup):
-        logits, _ = engine.decode_step(cache, tokens, schedule)
         tokens = sample(logits, GREEDY, None).tokens
-    _sync(engine.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        logits, _ = engine.decode_step(cache, tokens, schedule)
-        tokens = sample(logits, GREEDY, None).tokens
-    _sync(engine.device)
-    return time.perf_counter() - start
+        for _ in range(warmup):
+            logits, _ = engine.decode_step(cache, tokens, schedule)
+            tokens = sample(logits, GREEDY, None).tokens
+        _sync(engine.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits, _ = engine.decode_step(cache, tokens, schedule)
+            tokens = sample(logits, GREEDY, None).tokens
+        _sync(engine.device)
+        return time.perf_counter() - start
 
 
 @torch.no_grad()

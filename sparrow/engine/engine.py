@@ -96,9 +96,8 @@ class RolloutEngine:
                        self.device)
 
     def _forward(self, input_ids, position_ids, ctx: AttentionContext) -> torch.Tensor:
-        with self.linears.applied():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
-                             **{CONTEXT_KEY: ctx})
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+                         **{CONTEXT_KEY: ctx})
         return out.logits[:, -1].float()
 
     @torch.no_grad()

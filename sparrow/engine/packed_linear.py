@@ -36,8 +36,7 @@ def _packable(module: nn.Module) -> bool:
 
 class PackedLinears:
     """The float32 CPU `nn.Linear` layers of a model (peft's base layers and adapter matrices included), run with
-    prepacked weights inside `applied()` (the engine's prefill and decode forwards) while a `packed()` scope is
-    open."""
+    prepacked weights while a `packed()` scope is open (the engine opens one per `generate` call)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -46,22 +45,12 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def packed(self) -> Iterator[None]:
-        """A scope in which the model's weights do not change (nested scopes share the outer one's packs)."""
+        """A scope in which the model's weights do not change and its linear layers run packed (nested scopes share
+        the outer one's packs); each layer's own forward is back at its end."""
         if self._packs is not None or not usable():
             yield
             return
         self._packs, self._layers = {}, [m for m in self.model.modules() if _packable(m)]
-        try:
-            yield
-        finally:
-            self._packs, self._layers = None, []
-
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Forward calls in the body use the packed weights (plain PyTorch outside a `packed` scope)."""
-        if self._packs is None:
-            yield
-            return
         for layer in self._layers:
             layer.forward = self._forward_of(layer)
         try:
@@ -69,6 +58,7 @@ class PackedLinears:
         finally:
             for layer in self._layers:
                 del layer.forward
+            self._packs, self._layers = None, []
 
     def _forward_of(self, layer: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:

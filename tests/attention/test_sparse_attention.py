@@ -55,6 +55,20 @@ def decode_path(request, monkeypatch):
 SHAPES = [(4, 4, 2, 8), (16, 9, 3, 64), (16, 10, 2, 128)]
 
 
+def _cache_of_rows(layers: int, layer: int, lengths: list[int], hkv: int, dim: int, sparse: SparseConfig):
+    """A cache whose rows hold random prompts of `lengths` tokens in `layer` (room for 16 pages a row): returns
+    (cache, keys, values [rows, Hkv, T, D], and each row's next key and value [rows, Hkv, 1, D])."""
+    page, rows = sparse.page_size, len(lengths)
+    cache = KVCache(layers, rows, hkv, dim, 16 * page, sparse, torch.float32, torch.device("cpu"))
+    keys, values = torch.randn(rows, hkv, 61 * page // 4, dim), torch.randn(rows, hkv, 61 * page // 4, dim)
+    for row, n in enumerate(lengths):
+        cache.write_prompt(layer, torch.tensor([row]), keys[row, :, :n], values[row, :, :n])
+    cache.lengths = torch.tensor(lengths)
+    new_k = torch.stack([keys[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
+    new_v = torch.stack([values[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
+    return cache, keys, values, new_k, new_v
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("landmark", LANDMARKS)
 def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, shape, decode_path):
@@ -62,14 +76,8 @@ def test_decode_kernel_matches_the_loop_reference_in_a_mixed_batch(landmark, sha
     page, hq, hkv, dim = shape
     sparse = SparseConfig(page_size=page, landmark=landmark, dense_layers=(0,))
     lengths = [37 * page // 4, 13 * page // 4, 60 * page // 4]
-    cache = KVCache(2, 3, hkv, dim, 16 * page, sparse, torch.float32, torch.device("cpu"))
-    keys, values = torch.randn(3, hkv, 61 * page // 4, dim), torch.randn(3, hkv, 61 * page // 4, dim)
-    for row, n in enumerate(lengths):
-        cache.write_prompt(1, torch.tensor([row]), keys[row, :, :n], values[row, :, :n])
-    cache.lengths = torch.tensor(lengths)
+    cache, keys, values, new_k, new_v = _cache_of_rows(2, 1, lengths, hkv, dim, sparse)
     q = torch.randn(3, hq, 1, dim)
-    new_k = torch.stack([keys[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
-    new_v = torch.stack([values[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
     budget = torch.tensor([5, 5, 6])  # row 1 (4 pages) falls back to dense, the others are sparse
     out = decode_attention(q, new_k, new_v, cache, 1, cache.begin_step(budget), 0.3)
     for row, n in enumerate(lengths):
@@ -98,14 +106,8 @@ def test_a_dense_step_attends_every_cached_token_of_each_row(shape, decode_path)
     torch.manual_seed(2)
     page, hq, hkv, dim = shape
     lengths = [37 * page // 4, 3, 60 * page // 4]
-    cache = KVCache(1, 3, hkv, dim, 16 * page, SparseConfig(page_size=page), torch.float32, torch.device("cpu"))
-    keys, values = torch.randn(3, hkv, 61 * page // 4, dim), torch.randn(3, hkv, 61 * page // 4, dim)
-    for row, n in enumerate(lengths):
-        cache.write_prompt(0, torch.tensor([row]), keys[row, :, :n], values[row, :, :n])
-    cache.lengths = torch.tensor(lengths)
+    cache, keys, values, new_k, new_v = _cache_of_rows(1, 0, lengths, hkv, dim, SparseConfig(page_size=page))
     q = torch.randn(3, hq, 1, dim)
-    new_k = torch.stack([keys[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
-    new_v = torch.stack([values[r, :, n] for r, n in enumerate(lengths)]).unsqueeze(2)
     out = decode_attention(q, new_k, new_v, cache, 0, cache.begin_step(None), 0.3)
     group = hq // hkv
     for row, n in enumerate(lengths):
