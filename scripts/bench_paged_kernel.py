@@ -8,8 +8,9 @@ rule selects under `--budget` tokens, and ours with a budget covering every page
 
     python scripts/bench_paged_kernel.py --context 1100 --batch 16 --budget 512 --block 16 128
 
-Prints one markdown row per block size (median ms per call over `--repeats`, the three kernels interleaved) and
-the CPU's flags.
+Each kernel runs on caches in plain 4 KiB memory pages (as vLLM allocates them) and in transparent huge pages (as
+the plugin backs vLLM's cache where the kernel allows, `sparrow/huge_pages.py`), all six interleaved. Prints
+one markdown row per block size and kind of memory (median ms per call over `--repeats`) and the CPU's flags.
 """
 
 from __future__ import annotations
@@ -26,20 +27,26 @@ import torch
 
 from sparrow.attention import SparseConfig, cpu_kernel
 from sparrow.bench import machine_info
+from sparrow.huge_pages import collapse_tensor
 from sparrow.vllm.paged import physical_pages
 
 KV_HEADS, GROUP, DIM, PAGE = 3, 3, 64, 16
+MEMORY = ("4k", "huge")
 
 
-def kernels(context: int, batch: int, budget: int, block: int, layers: int, seed: int = 0):
-    """(name -> callable) for one block size: vLLM dense, ours sparse, ours covering; and the covering check."""
+def kernels(context: int, batch: int, budget: int, block: int, layers: int, huge: bool, seed: int = 0):
+    """(name -> callable) for one block size: vLLM dense, ours sparse, ours covering; and the covering check.
+    huge: the caches' memory collapsed into transparent huge pages (what the plugin does), else plain 4 KiB pages."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
     gen = torch.Generator().manual_seed(seed)
     per_row = -(-context // block)
     blocks = batch * per_row + 4
-    caches = [torch.randn(blocks, KV_HEADS, block, 2 * DIM, generator=gen) for _ in range(layers)]
+    shape = (blocks, KV_HEADS, block, 2 * DIM)
+    caches = [torch.randn(shape, generator=gen) for _ in range(layers)]
+    if huge and not all(collapse_tensor(c) for c in caches):
+        raise SystemExit("this kernel did not give the caches huge pages (MADV_COLLAPSE needs Linux 6.1+)")
     sparse = SparseConfig(page_size=PAGE)
     marks = [[torch.randn(blocks * block // PAGE, KV_HEADS, DIM, generator=gen)] for _ in range(layers)]
     table = torch.randperm(blocks, generator=gen)[: batch * per_row].view(batch, per_row).to(torch.int32)
@@ -107,6 +114,8 @@ def main() -> int:
     parser.add_argument("--block", type=int, nargs="+", default=[16, 128], help="vLLM KV block sizes to time")
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--memory", nargs="+", choices=MEMORY, default=list(MEMORY),
+                        help="the caches' memory pages: 4 KiB (as vLLM allocates) or transparent huge pages")
     args = parser.parse_args()
     if not cpu_kernel.usable(torch.zeros(1)):
         raise SystemExit("the compiled CPU kernel is not available here")
@@ -114,13 +123,19 @@ def main() -> int:
           f"median ms per call of {args.repeats}")
     header = None
     for block in args.block:
-        ms = time_interleaved(kernels(args.context, args.batch, args.budget, block, args.layers), args.repeats)
-        if header is None:
-            header = list(ms)
-            print("| block | " + " | ".join(header) + " | ours sparse / vLLM dense |")
-            print("|---:|" + "---:|" * (len(header) + 1))
-        values = [ms[name] for name in header]
-        print(f"| {block} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {values[1] / values[0]:.2f} |")
+        fns = {(memory, name): fn for memory in args.memory
+               for name, fn in kernels(args.context, args.batch, args.budget, block, args.layers,
+                                       memory == "huge").items()}
+        ms = time_interleaved(fns, args.repeats)  # every kernel on both kinds of memory, interleaved
+        for memory in args.memory:
+            names = [name for mem, name in ms if mem == memory]
+            if header is None:
+                header = names
+                print("| block | memory pages | " + " | ".join(header) + " | ours sparse / vLLM dense |")
+                print("|---:|---|" + "---:|" * (len(header) + 1))
+            values = [ms[memory, name] for name in names]
+            print(f"| {block} | {memory} | " + " | ".join(f"{v:.1f}" for v in values)
+                  + f" | {values[1] / values[0]:.2f} |", flush=True)
     print(f"\nmachine: {machine_info(torch.device('cpu'))}")
     flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split()
     print("CPU flags: " + " ".join(f for f in flags if f.startswith(("avx", "amx", "fma"))))

@@ -8,35 +8,11 @@ max) are computed once, when its last slot is written.
 
 from __future__ import annotations
 
-import ctypes
-import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
-
-
-def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on Linux CPUs backed by transparent huge pages where the kernel allows it.
-
-    Sparse decode reads scattered 4 KiB pages of the cache; with 4 KiB memory pages each one costs a TLB miss.
-    Advising 2 MiB pages before the memory is first touched removes most of them (dense decode gains too).
-    """
-    if _libc is None or torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = math.prod(shape)
-    raw = torch.empty(numel + _HUGE_PAGE // itemsize, dtype=dtype)
-    offset = (-raw.data_ptr()) % _HUGE_PAGE // itemsize
-    flat = raw[offset: offset + numel]
-    length = numel * itemsize // _HUGE_PAGE * _HUGE_PAGE
-    if length:
-        _libc.madvise(ctypes.c_void_p(flat.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return flat.zero_().view(shape)
+from sparrow.huge_pages import zeros
 
 from .config import SparseConfig
 

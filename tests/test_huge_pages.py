@@ -1,0 +1,44 @@
+"""Huge pages for KV caches: contents kept, off when asked, one collapse per vLLM cache allocation."""
+
+import pytest
+import torch
+
+from sparrow import huge_pages
+
+
+def test_collapsing_a_tensor_keeps_its_contents():
+    tensor = torch.randn(4 << 20)  # 16 MiB: whole huge pages inside it wherever it starts
+    before = tensor.clone()
+    done = huge_pages.collapse_tensor(tensor)
+    assert torch.equal(tensor, before)
+    assert isinstance(done, bool)
+
+
+def test_nothing_is_collapsed_below_one_huge_page_or_when_turned_off(monkeypatch):
+    assert not huge_pages.collapse_tensor(torch.randn(1000))
+    assert not huge_pages.collapse_tensor(torch.randn(4 << 20)[::2])  # not contiguous
+    monkeypatch.setenv("SPARROW_HUGE_PAGES", "0")
+    assert not huge_pages.collapse_tensor(torch.randn(4 << 20))
+    zeroed = huge_pages.zeros((3, 1 << 20), torch.float32, torch.device("cpu"))
+    assert zeroed.shape == (3, 1 << 20) and not zeroed.any()
+
+
+def test_zeros_are_aligned_to_a_huge_page_and_zero():
+    zeroed = huge_pages.zeros((2, 3 << 20), torch.float32, torch.device("cpu"))
+    assert not zeroed.any() and zeroed.is_contiguous()
+    if huge_pages.enabled():
+        assert zeroed.data_ptr() % huge_pages.HUGE_PAGE == 0
+
+
+def test_the_plugin_collapses_vllms_cache_allocation_once_for_all_its_layer_views(monkeypatch):
+    pytest.importorskip("vllm")
+    from sparrow.vllm import cpu_attention
+
+    calls = []
+    monkeypatch.setattr(cpu_attention.huge_pages, "collapse", lambda start, nbytes: calls.append((start, nbytes)))
+    monkeypatch.setattr(cpu_attention, "_HUGE_CACHES", set())
+    backing = torch.zeros(2, 4, 3, 16, 128)  # two layers' caches in one allocation, as vLLM allocates them
+    for _ in range(3):
+        for layer in backing:
+            cpu_attention.use_huge_pages(layer)
+    assert calls == [(backing.data_ptr(), backing.numel() * 4)]
