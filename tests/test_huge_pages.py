@@ -34,6 +34,9 @@ def test_the_plugin_collapses_vllms_cache_allocation_once_for_all_its_layer_view
     pytest.importorskip("vllm")
     from sparrow.vllm import cpu_attention
 
+    monkeypatch.delenv("SPARROW_HUGE_PAGES", raising=False)
+    if not huge_pages.enabled():
+        pytest.skip("no madvise here")
     calls = []
     monkeypatch.setattr(cpu_attention.huge_pages, "collapse", lambda start, nbytes: calls.append((start, nbytes)))
     monkeypatch.setattr(cpu_attention, "_HUGE_CACHES", set())
@@ -42,3 +45,15 @@ def test_the_plugin_collapses_vllms_cache_allocation_once_for_all_its_layer_view
         for layer in backing:
             cpu_attention.use_huge_pages(layer)
     assert calls == [(backing.data_ptr(), backing.numel() * 4)]
+
+
+def test_the_plugin_leaves_vllms_cache_alone_when_huge_pages_are_off(monkeypatch):
+    pytest.importorskip("vllm")
+    from sparrow.vllm import cpu_attention
+
+    calls = []
+    monkeypatch.setattr(cpu_attention.huge_pages, "collapse", lambda start, nbytes: calls.append(start))
+    monkeypatch.setattr(cpu_attention, "_HUGE_CACHES", set())
+    monkeypatch.setenv("SPARROW_HUGE_PAGES", "0")
+    cpu_attention.use_huge_pages(torch.zeros(2, 4, 3, 16, 128)[0])
+    assert calls == []

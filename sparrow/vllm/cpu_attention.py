@@ -15,6 +15,7 @@ is a sub-batch with its own scheduler metadata for vLLM's kernel.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -48,11 +49,19 @@ _HUGE_CACHES: set[int] = set()  # the cache allocations already given huge pages
 def use_huge_pages(kv_cache: torch.Tensor) -> None:
     """Back the memory of vLLM's cache (the one allocation behind every layer's view) by transparent huge pages,
     once per allocation: vLLM allocates it in 4 KiB pages, and both its dense kernel and ours read the cache
-    faster from 2 MiB ones (BENCHMARKS). Best effort; SPARROW_HUGE_PAGES=0 keeps vLLM's memory as it is."""
+    faster from 2 MiB ones (BENCHMARKS). Best effort; SPARROW_HUGE_PAGES=0 keeps vLLM's memory as it is. The copy
+    took 9 s per GiB on a 2-core VM whose free memory had first to be made into huge pages, 1 s per GiB once it
+    had some."""
     storage = kv_cache.untyped_storage()
     if storage.data_ptr() in _HUGE_CACHES or kv_cache.device.type != "cpu":
         return
     _HUGE_CACHES.add(storage.data_ptr())
+    if not huge_pages.enabled():
+        return
+    gib = storage.nbytes() / 2**30
+    if gib >= 0.25:  # the copy takes seconds per GiB where the kernel must first free up huge pages
+        print(f"sparrow: moving vLLM's KV cache ({gib:.1f} GiB) into huge pages, once (SPARROW_HUGE_PAGES=0 skips "
+              "it)", file=sys.stderr, flush=True)
     huge_pages.collapse(storage.data_ptr(), storage.nbytes())
 
 
