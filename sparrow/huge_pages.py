@@ -40,6 +40,11 @@ def _advise(start: int, end: int, advice: int) -> bool:
     return _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), advice) == 0
 
 
+def last_refusal() -> str:
+    """Why the kernel refused the last advice (its errno's text: e.g. no free memory to make huge pages of)."""
+    return os.strerror(ctypes.get_errno()) if _libc is not None else "not Linux"
+
+
 def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor; on Linux CPUs backed by transparent huge pages where the kernel allows it."""
     if not enabled() or torch.device(device).type != "cpu":

@@ -57,3 +57,20 @@ def test_the_plugin_leaves_vllms_cache_alone_when_huge_pages_are_off(monkeypatch
     monkeypatch.setenv("SPARROW_HUGE_PAGES", "0")
     cpu_attention.use_huge_pages(torch.zeros(2, 4, 3, 16, 128)[0])
     assert calls == []
+
+
+def test_the_plugin_says_how_the_move_of_a_large_cache_went(monkeypatch, capsys):
+    pytest.importorskip("vllm")
+    from sparrow.vllm import cpu_attention
+
+    monkeypatch.delenv("SPARROW_HUGE_PAGES", raising=False)
+    if not huge_pages.enabled():
+        pytest.skip("no madvise here")
+    monkeypatch.setattr(cpu_attention, "_HUGE_CACHES", set())
+    monkeypatch.setattr(cpu_attention.huge_pages, "collapse", lambda start, nbytes: False)
+    monkeypatch.setattr(cpu_attention.huge_pages, "last_refusal", lambda: "Cannot allocate memory")
+    cpu_attention.use_huge_pages(torch.zeros(2, 1 << 10)[0])  # small: quiet
+    assert capsys.readouterr().err == ""
+    cpu_attention.use_huge_pages(torch.empty(2, 1 << 28, dtype=torch.uint8)[0])  # 0.5 GiB, never touched
+    said = capsys.readouterr().err
+    assert "KV cache (0.5 GiB)" in said and "not all moved: Cannot allocate memory" in said

@@ -16,6 +16,7 @@ is a sub-batch with its own scheduler metadata for vLLM's kernel.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -59,10 +60,15 @@ def use_huge_pages(kv_cache: torch.Tensor) -> None:
     if not huge_pages.enabled():
         return
     gib = storage.nbytes() / 2**30
-    if gib >= 0.25:  # the copy takes seconds per GiB where the kernel must first free up huge pages
+    loud = gib >= 0.25  # the copy takes seconds per GiB where the kernel must first free up huge pages
+    if loud:
         print(f"sparrow: moving vLLM's KV cache ({gib:.1f} GiB) into huge pages, once (SPARROW_HUGE_PAGES=0 skips "
               "it)", file=sys.stderr, flush=True)
-    huge_pages.collapse(storage.data_ptr(), storage.nbytes())
+    started = time.perf_counter()
+    moved = huge_pages.collapse(storage.data_ptr(), storage.nbytes())
+    if loud:
+        print(f"sparrow: {'moved' if moved else 'not all moved: ' + huge_pages.last_refusal()} "
+              f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
 
 
 def _layer_metadata(layer):
