@@ -5,7 +5,8 @@ The PyTorch path scores pages, selects them, gathers the selected keys and value
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the
 same in one call, reading the pages once in place; on a CPU that is most of the time of a sparse layer.
 It is built on first use with the C++ compiler torch uses (cached by torch under ~/.cache/torch_extensions,
-compiled for this CPU with -march=native). Anything that stops it from building leaves the pure-PyTorch path
+compiled for this CPU with -march=native, under a name of its own per CPU model and instruction set, so that
+machines sharing a home directory never load each other's build: AVX-512 code dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path
 in charge, with one warning. SPARROW_CPU_KERNEL=0 turns it off.
 
 Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway used to hang
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import platform
 import shutil
 import sys
 import time
@@ -50,20 +53,39 @@ def load():
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
 
-        build_dir = Path(_get_build_directory(_NAME, verbose=False))
+        name = build_name()
+        build_dir = Path(_get_build_directory(name, verbose=False))
         with build_guard(build_dir, BUILD_WAIT_S) as free:
             if not free:
                 raise TimeoutError(f"another process has held the build lock of {build_dir} for over "
                                    f"{BUILD_WAIT_S:g} s")
             if not any(build_dir.glob("*.so")):
                 _say("building the CPU sparse-decode kernel (once, about 30 s)")
-            _module = build(name=_NAME, sources=[str(_SOURCE)], build_directory=str(build_dir),
+            _module = build(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                             extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
     except Exception as err:  # a missing compiler or ninja must not break generation
         warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({err})")
         _module = None
     return _module
+
+
+def build_name(cpuinfo: str | None = None) -> str:
+    """The build's name for this CPU: the kernel's name and a digest of the CPU's model and feature flags
+    (`cpuinfo`: the text of /proc/cpuinfo; read here on Linux, elsewhere the platform's processor name)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86 and ARM spellings
+    lines = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in wanted:
+            lines.setdefault(key.strip(), " ".join(sorted(value.split())))  # the first CPU's
+    described = "\n".join(f"{k}: {v}" for k, v in sorted(lines.items())) or cpuinfo
+    return f"{_NAME}_{hashlib.sha256(described.encode()).hexdigest()[:12]}"
 
 
 def _say(message: str) -> None:

@@ -65,12 +65,22 @@ def test_waiting_for_a_live_build_is_bounded_and_says_who_builds(tmp_path):
         assert free and not (tmp_path / "lock").exists()  # the holder died: now its baton is stale
 
 
+def test_each_cpu_model_and_feature_set_gets_a_build_of_its_own():
+    avx512 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f\n\nprocessor\t: 1\n"
+    same = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: avx512f avx2 fpu sse2\nbogomips\t: 4000\n"
+    avx2 = avx512.replace(" avx512f", "")
+    other_model = avx512.replace("AMD EPYC", "Intel Xeon")
+    names = {cpu_kernel.build_name(text) for text in (avx512, same, avx2, other_model)}
+    assert cpu_kernel.build_name(avx512) == cpu_kernel.build_name(same) and len(names) == 3
+    assert all(name.startswith("sparrow_sparse_decode_") and name.isidentifier() for name in names)
+
+
 def test_load_builds_past_a_stale_lock_instead_of_waiting_forever(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv("SPARROW_CPU_KERNEL", raising=False)
     monkeypatch.setattr(cpu_kernel, "_tried", False)
     monkeypatch.setattr(cpu_kernel, "_module", None)
-    _killed_build(tmp_path / "sparrow_sparse_decode")
+    _killed_build(tmp_path / cpu_kernel.build_name())
     built = object()
 
     def torch_load(name, build_directory, **_):
@@ -89,13 +99,13 @@ def test_a_build_lock_held_too_long_falls_back_to_pytorch_with_a_warning(tmp_pat
     monkeypatch.setattr(cpu_kernel, "_module", None)
     monkeypatch.setattr(cpu_kernel, "BUILD_WAIT_S", 0.2)
     receive, send = _fork.Pipe(duplex=False)
-    holder = _fork.Process(target=_hold_build_lock, args=(tmp_path / "sparrow_sparse_decode", send), daemon=True)
-    (tmp_path / "sparrow_sparse_decode").mkdir()
+    holder = _fork.Process(target=_hold_build_lock, args=(tmp_path / cpu_kernel.build_name(), send), daemon=True)
+    (tmp_path / cpu_kernel.build_name()).mkdir()
     holder.start()
     try:
         assert receive.poll(10)
         with pytest.warns(UserWarning, match=r"using the PyTorch path \(another process has held the build lock of "
-                                             r".*sparrow_sparse_decode for over 0.2 s\)"):
+                                             r".*sparrow_sparse_decode_[0-9a-f]+ for over 0.2 s\)"):
             assert cpu_kernel.load() is None
     finally:
         holder.kill()
