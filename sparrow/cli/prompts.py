@@ -25,9 +25,11 @@ class PromptsConfig:
     count: int = option(8, "number of prompts")
     codes: int | None = option(None, "manifest only: codes in each manifest (default 16, about 150 answer tokens; "
                                      "64 makes answers of about 600)")
-    min_tokens: int = option(3000, "minimum prompt length in tokens, chat template included")
-    max_tokens: int | None = option(None, "with it, prompt lengths spread evenly from min_tokens to max_tokens (a "
-                                          "mixed-length set)")
+    min_tokens: int = option(3000, "minimum prompt length in tokens, chat template included (a prompt may run up "
+                                   "to about a quarter over its target: its ledger starts from a per-task estimate "
+                                   "of whole entries, which seeded prompt sets keep)")
+    max_tokens: int | None = option(None, "with it, the prompts' minimum lengths spread evenly from min_tokens to "
+                                          "max_tokens (a mixed-length set; a target, not a cap)")
     seed: int = option(0, "")
     model: str = option("smollm2-135m", "whose tokenizer measures the length")
     out: str | None = option(None, "output JSONL file (default: standard output)")
