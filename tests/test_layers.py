@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "sparrow"
 LAYERS = [
     ["sparrow.errors", "sparrow.io", "sparrow.typed_config", "sparrow.huge_pages"],
-    ["sparrow.schedules", "sparrow.attention", "sparrow.lora", "sparrow.models", "sparrow.model_shapes"],
+    ["sparrow.schedules", "sparrow.attention", "sparrow.lora", "sparrow.models", "sparrow.model_shapes",
+     "sparrow.metrics"],
     ["sparrow.engine", "sparrow.datasets", "sparrow.rewards", "sparrow.tasks"],
     ["sparrow.rollout", "sparrow.vllm", "sparrow.options"],
     ["sparrow.measure", "sparrow.evaluation"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.errors import SparrowError
-from sparrow.measure.checks import (
+from sparrow.metrics.checks import (
     check_int_tensor,
     check_logits,
     check_temperature,
@@ -18,7 +18,7 @@ from sparrow.measure.checks import (
     position_name,
     raise_bad_rows,
 )
-from sparrow.measure.divergence import chunk_rows, scaled
+from sparrow.metrics.divergence import chunk_rows, scaled
 
 _BOUNDS_TEMPS = 4  # float32 [rows, vocab] temporaries alive at once
 _PROB_SUM_TOL = 1e-2

@@ -24,7 +24,7 @@ import torch
 from scipy import stats
 
 from sparrow.errors import SparrowError
-from sparrow.measure.checks import as_float_tensor, as_positions, first_index
+from sparrow.metrics.checks import as_float_tensor, as_positions, first_index
 from sparrow.typed_config import check_int
 
 TAIL_THRESHOLD = 0.999  # tail_stats: alpha at or above it counts as "at 1"; the Beta fit covers what lies below

@@ -1,4 +1,4 @@
-"""Exact acceptance rate (`sparrow.measure.divergence`) and its top-K bounds (`sparrow.measure.bounds`) against
+"""Exact acceptance rate (`sparrow.metrics.divergence`) and its top-K bounds (`sparrow.measure.bounds`) against
 hand values and float64. Tail statistics are tested in test_tail.py."""
 
 import itertools
@@ -8,7 +8,7 @@ import torch
 
 from sparrow.errors import SparrowError
 from sparrow.measure.bounds import acceptance_bounds
-from sparrow.measure.divergence import _ALPHA_TEMPS, acceptance_rate, chunk_rows
+from sparrow.metrics.divergence import _ALPHA_TEMPS, acceptance_rate, chunk_rows
 
 NEG_INF = float("-inf")
 

@@ -5,7 +5,7 @@ import torch
 from sparrow.attention.teacher_forced import SharedPrompt, sparse_forward
 from sparrow.engine import Completion, RolloutEngine, SamplingParams
 from sparrow.measure.bounds import acceptance_bounds
-from sparrow.measure.divergence import acceptance_rate
+from sparrow.metrics.divergence import acceptance_rate
 from sparrow.models import load_model
 from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import DENSE, const

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sparrow.errors import SparrowError
-from sparrow.measure.checks import check_logits, check_temperature, raise_bad_rows
+from sparrow.metrics.checks import check_logits, check_temperature, raise_bad_rows
 
 _CHUNK_BYTES = 512 * 2**20
 _ALPHA_TEMPS = 6  # float32 [rows, vocab] temporaries alive at once in acceptance_rate
