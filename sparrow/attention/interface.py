@@ -17,12 +17,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from sparrow.errors import SparrowError
 
 from .config import SparseConfig
-from .kernels import decode_attention, prefill_attention, teacher_forced_attention
-from .kv_cache import DecodeStep, KVCache
+from .kernels import decode_attention, prefill_attention, span_attention, teacher_forced_attention
+from .kv_cache import DecodeStep, KVCache, SpanStep
 
 IMPLEMENTATION = "sparrow"
 CONTEXT_KEY = "sparrow_ctx"
-MODES = ("prefill", "decode", "teacher_forced")
+MODES = ("prefill", "decode", "span", "teacher_forced")
 
 
 @dataclass
@@ -30,14 +30,14 @@ class AttentionContext:
     """What one forward call should do.
 
     prefill: `cache` and the `rows` sharing the prompt; decode: `cache` and the `step` from cache.begin_step;
-    teacher-forced: `budget_pages` [B, T] (None = dense) and `prompt_lengths` [B].
+    span: `cache` and the `step` from cache.begin_span; teacher-forced: `budget_pages` [B, T] (None = dense) and `prompt_lengths` [B].
     """
 
     mode: str
     sparse: SparseConfig
     cache: KVCache | None = None
     rows: torch.Tensor | None = None
-    step: DecodeStep | None = None
+    step: DecodeStep | SpanStep | None = None
     budget_pages: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None
 
@@ -59,6 +59,8 @@ def sparrow_attention(module, query, key, value, attention_mask, scaling=None, d
         return prefill_attention(query, key, value, ctx.cache, layer, ctx.rows, scaling), None
     if ctx.mode == "decode":
         return decode_attention(query, key, value, ctx.cache, layer, ctx.step, scaling), None
+    if ctx.mode == "span":
+        return span_attention(query, key, value, ctx.cache, layer, ctx.step, scaling), None
     return teacher_forced_attention(query, key, value, layer, ctx.sparse, ctx.budget_pages, ctx.prompt_lengths,
                                     scaling), None
 

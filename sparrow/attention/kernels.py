@@ -2,6 +2,7 @@
 
 - prefill: dense causal attention over one prompt, whose keys/values are written into the rows that share it;
 - decode: one new token per row against the cache, dense or restricted to the selected pages;
+- span: several new tokens per row against the cache, densely (the verification of drafted tokens);
 - teacher-forced: a whole sequence at once, each position attending as it did when it was decoded.
 Outputs follow the transformers attention interface: [batch, tokens, query_heads, head_dim].
 """
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .config import SparseConfig
-from .kv_cache import DecodeStep, KVCache
+from .kv_cache import DecodeStep, KVCache, SpanStep
 from .selection import select_pages
 
 
@@ -58,6 +59,19 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
         mask = (valid.unsqueeze(-1) & (slots < step.total.view(batch, 1, 1, 1))).view(batch, kv_heads, 1, k * ps)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(batch, 1, q_heads, dim)
+
+
+def span_attention(query, key, value, cache: KVCache, layer: int, step: SpanStep, scaling: float):
+    """Dense attention of S new tokens per row, query/key/value [B, H, S, D]: their keys/values are written at each
+    row's length, then token s attends to the row's cache up to itself. One pass over the cache for all S tokens."""
+    batch, _, span, dim = query.shape
+    kv_heads = key.shape[1]
+    cache.write_span(layer, key, value, step)
+    width = step.mask.shape[-1]
+    keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
+    values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig,

@@ -36,6 +36,22 @@ class DecodeStep:
     dense_mask: torch.Tensor
 
 
+@dataclass
+class SpanStep:
+    """A dense forward of `span` tokens appended to every row at its own length (the verification of drafted
+    tokens): token s of row b goes to slot lengths[b] + s and attends to slots 0..lengths[b] + s.
+
+    total: cached tokens per row after the span; write_index: the flat slot of each new token per (row, kv head,
+    token); mask [B, 1, span, width]: which slots each new token attends; filled_rows / filled_pages: the pages
+    whose last slot the span writes (their landmarks are rebuilt from the new keys)."""
+
+    total: torch.Tensor
+    write_index: torch.Tensor
+    mask: torch.Tensor
+    filled_rows: torch.Tensor
+    filled_pages: torch.Tensor
+
+
 class KVCache:
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
                  sparse: SparseConfig, dtype: torch.dtype, device: torch.device):
@@ -94,6 +110,33 @@ class KVCache:
             page_keys = self.keys[layer][step.filled, :, step.filled_pages]  # [n, Hkv, ps, D]
             for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
                 store[step.filled, :, step.filled_pages] = mark
+
+    def begin_span(self, span: int) -> SpanStep:
+        """Prepare a dense forward of `span` new tokens per row (lengths grow by the caller afterwards)."""
+        ps = self.sparse.page_size
+        device = self.lengths.device
+        slots = self.lengths[:, None] + torch.arange(span, device=device)  # [B, S]
+        kv_heads = self.keys[0].shape[1]
+        row_head = torch.arange(self.rows * kv_heads, device=device).view(self.rows, kv_heads, 1)
+        write_index = (row_head * self.capacity + slots[:, None, :]).flatten()  # [B, Hkv, S] order
+        total = self.lengths + span
+        width = int(total.max())
+        mask = (torch.arange(width, device=device) <= slots[:, :, None]).unsqueeze(1)
+        first, last = self.lengths // ps, total // ps - 1  # pages whose last slot lies in the span
+        pages = first[:, None] + torch.arange(span // ps + 1, device=device)
+        rows, column = torch.nonzero(pages <= last[:, None], as_tuple=True)
+        return SpanStep(total, write_index, mask, rows, pages[rows, column])
+
+    def write_span(self, layer: int, key: torch.Tensor, value: torch.Tensor, step: SpanStep) -> None:
+        """Write each row's new keys/values [rows, Hkv, S, D] from slot `lengths[row]` on; rebuild the landmarks of
+        the pages they complete (a draft may have built them from its own keys)."""
+        dim = key.shape[-1]
+        self.keys[layer].view(-1, dim).index_copy_(0, step.write_index, key.reshape(-1, dim))
+        self.values[layer].view(-1, dim).index_copy_(0, step.write_index, value.reshape(-1, dim))
+        if step.filled_rows.numel():
+            page_keys = self.keys[layer][step.filled_rows, :, step.filled_pages]  # [n, Hkv, ps, D]
+            for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
+                store[step.filled_rows, :, step.filled_pages] = mark
 
     def keep(self, kept: list[int]) -> list[int]:
         """Keep only the rows `kept` (ascending; finished sequences dropped), compacted in place with one row copied

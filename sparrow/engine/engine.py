@@ -9,6 +9,7 @@ attributed.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import secrets
 import time
@@ -25,21 +26,25 @@ from sparrow.attention import (
 )
 from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
+from sparrow.lora import without_adapter
 from sparrow.schedules import DENSE, Schedule
 
+from .exact import check_draft_tokens, exact_wave
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import (
     KEY_LIMIT,
     SamplingParams,
     StepSample,
-    draw_uniforms,
+    gumbel_noise,
     sample,
-    sequence_stream,
+    sequence_key,
 )
 from .sequence import Completion
 
-TIMED_PHASES = ("prefill", "decode", "sample")  # dense prompt forwards; decode forwards; sampling and bookkeeping
+TIMED_PHASES = ("prefill", "decode", "verify", "sample")
+"""Dense prompt forwards; decode forwards (sparse drafts in exact mode); exact mode's dense verification forwards;
+sampling and bookkeeping."""
 
 
 class RolloutEngine:
@@ -68,7 +73,7 @@ class RolloutEngine:
         self.timing = {phase: 0.0 for phase in TIMED_PHASES}
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
 
-    def _clock(self) -> float:
+    def clock(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -87,18 +92,20 @@ class RolloutEngine:
         """Token ids of a prompt: text, chat messages (always templated) or ids as they are."""
         return encode_prompt(self.tokenizer, prompt, apply_chat_template)
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
+    def new_cache(self, rows: int, capacity: int, slack: int = 0) -> KVCache:
+        """A cache for `capacity` positions plus `slack` slots that only drafts beyond the end may write."""
         if self.max_positions and capacity > self.max_positions:
             raise SparrowError(
                 f"prompt + max_new_tokens = {capacity} tokens exceeds the model's {self.max_positions} positions"
             )
-        return KVCache(self.num_layers, rows, self.kv_heads, self.head_dim, capacity, self.sparse, self.dtype,
-                       self.device)
+        return KVCache(self.num_layers, rows, self.kv_heads, self.head_dim, capacity + slack, self.sparse,
+                       self.dtype, self.device)
 
-    def _forward(self, input_ids, position_ids, ctx: AttentionContext) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,
+    def _forward(self, input_ids, position_ids, ctx: AttentionContext, keep: int = 1) -> torch.Tensor:
+        """Logits of the last `keep` positions, float32 [B, V] (keep = 1) or [B, keep, V]."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
                          **{CONTEXT_KEY: ctx})
-        return out.logits[:, -1].float()
+        return out.logits[:, -1].float() if keep == 1 else out.logits.float()
 
     @torch.no_grad()
     def prefill(self, cache: KVCache, prompt_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
@@ -126,14 +133,28 @@ class RolloutEngine:
         cache.lengths += 1
         return logits, budget
 
+    @torch.no_grad()
+    def span_step(self, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed S tokens per row [B, S] densely at each row's length; returns the logits after each [B, S, V]."""
+        span = tokens.shape[1]
+        ctx = AttentionContext("span", self.sparse, cache=cache, step=cache.begin_span(span))
+        positions = cache.lengths[:, None] + torch.arange(span, device=self.device)
+        logits = self._forward(tokens, positions, ctx, keep=span).view(tokens.shape[0], span, -1)
+        cache.lengths += span
+        return logits
+
     # -- generation -----------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | None = None,
                  schedule: Schedule = DENSE, num_samples: int = 1, apply_chat_template: bool = False,
-                 progress: bool = False, prompt_keys: Sequence[int] | None = None) -> list[Completion]:
+                 progress: bool = False, prompt_keys: Sequence[int] | None = None,
+                 draft_tokens: int | None = None) -> list[Completion]:
         """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index.
 
-        Sample s of the prompt keyed k draws from its own random stream, `sequence_stream(sampling.seed, k, s)`
+        `draft_tokens` None decodes with `schedule`; an integer K runs exact mode (`engine.exact`): `schedule`
+        drafts up to K tokens per dense verification and the completions are the dense policy's own samples.
+
+        Sample s of the prompt keyed k draws with its own random key, `sequence_key(sampling.seed, k, s)`
         (keys default to the prompts' indices in the call; distinct integers in [0, 2**32)). With a seed, its tokens
         are therefore the same whatever `max_batch_size`, the other prompts of the call, or `num_samples` (sample s
         of n is sample s of n + 2): callers that split a set of prompts over calls or workers pass each prompt's
@@ -145,6 +166,8 @@ class RolloutEngine:
         if not prompts:
             raise SparrowError("no prompts given")
         keys = check_prompt_keys(prompt_keys, len(prompts))
+        if draft_tokens is not None:
+            draft_tokens = check_draft_tokens(draft_tokens)
         if not schedule.is_dense:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
@@ -157,24 +180,40 @@ class RolloutEngine:
             for start in range(0, len(prompts), per_wave):
                 wave = list(range(start, min(start + per_wave, len(prompts))))
                 seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in wave for s in range(num_samples)]
-                streams = [sequence_stream(seed, seq.prompt_key, seq.sample_index) for seq in seqs]
-                results += self._generate_wave(wave, seqs, streams, encoded, sampling, schedule, num_samples, bar)
+                results += self._generate_wave(wave, seqs, self.row_keys(seed, seqs), encoded, sampling, schedule, num_samples, bar,
+                                               draft_tokens)
         return results
 
-    def _generate_wave(self, wave, seqs: list[Completion], streams, encoded, sampling, schedule, num_samples,
-                       bar) -> list[Completion]:
+    def row_keys(self, seed: int, seqs: list[Completion]) -> torch.Tensor:
+        """The random key of each sequence [rows, 2] (int32 on the engine's device), see `sequence_key`."""
+        return torch.tensor([sequence_key(seed, s.prompt_key, s.sample_index) for s in seqs], dtype=torch.int32,
+                            device=self.device)
+
+    def noise(self, keys: torch.Tensor, live: list[Completion], sampling: SamplingParams,
+              vocab: int, ahead: int = 0) -> torch.Tensor | None:
+        """Gumbel noise [rows, V] for each live sequence's next token (`ahead` tokens further on); None if greedy."""
+        if sampling.greedy:
+            return None
+        positions = torch.tensor([len(seq.token_ids) + ahead for seq in live], device=self.device)
+        return gumbel_noise(keys, positions, vocab)
+
+    def _generate_wave(self, wave, seqs: list[Completion], keys, encoded, sampling, schedule, num_samples,
+                       bar, draft_tokens: int | None) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
-        cache = self.new_cache(len(seqs), capacity)
-        clock = self._clock()
-        logits = self._prefill_wave(cache, wave, encoded, num_samples)
+        cache = self.new_cache(len(seqs), capacity, slack=draft_tokens or 0)
+        clock = self.clock()
+        with without_adapter(self.model) if draft_tokens else contextlib.nullcontext():  # exact: dense prefill
+            logits = self._prefill_wave(cache, wave, encoded, num_samples)
         budget = cache.lengths.clone()
         live = list(seqs)
-        clock = self._lap("prefill", clock)
+        clock = self.lap("prefill", clock)
+        if draft_tokens:
+            exact_wave(self, cache, live, keys, logits, sampling, schedule, draft_tokens, bar)
+            return self._finish(seqs, sampling)
         while True:
-            uniforms = None if sampling.greedy else draw_uniforms(streams, self.device)
-            step = sample(logits, sampling, uniforms)
-            _check_finite(step.finite, logits, live, sampling, "model")
-            self._record(live, step, budget, sampling)
+            step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1]))
+            self.check_finite(step, logits, live, sampling)
+            self.record(live, step, budget, sampling)
             keep = [r for r, seq in enumerate(live) if not seq.finished]
             bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
             if not keep:
@@ -183,18 +222,27 @@ class RolloutEngine:
                 keep = cache.keep(keep)
                 index = torch.tensor(keep, device=self.device)
                 live = [live[r] for r in keep]
-                streams = [streams[r] for r in keep]
+                keys = keys.index_select(0, index)
                 step.tokens = step.tokens.index_select(0, index)
-            clock = self._lap("sample", clock)
+            clock = self.lap("sample", clock)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
-            clock = self._lap("decode", clock)
-        self._lap("sample", clock)
+            clock = self.lap("decode", clock)
+        self.lap("sample", clock)
+        return self._finish(seqs, sampling)
+
+    def _finish(self, seqs: list[Completion], sampling: SamplingParams) -> list[Completion]:
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs
 
-    def _lap(self, phase: str, since: float) -> float:
-        now = self._clock()
+    def check_finite(self, step: StepSample, logits: torch.Tensor, live: list[Completion],
+                     sampling: SamplingParams) -> None:
+        """Stop with a message naming the first row whose logits were not all finite."""
+        _check_finite(step.finite, logits, live, sampling, "model")
+
+    def lap(self, phase: str, since: float) -> float:
+        """Add the time since `since` to `phase` in `timing`; returns now."""
+        now = self.clock()
         self.timing[phase] += now - since
         return now
 
@@ -206,7 +254,8 @@ class RolloutEngine:
             logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
         return torch.cat(logits)
 
-    def _record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
+    def record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
+        """Append each row's sampled token and its records to `live[row]`; mark the sequences that finish."""
         tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
         top_ids, top_lps, budget = step.top_ids.tolist(), step.top_logprobs.tolist(), budget.tolist()
         for r, seq in enumerate(live):

@@ -1,16 +1,18 @@
-"""Sampling settings, per-sequence random streams, and the per-step sampler (temperature, top-k, top-p, greedy).
+"""Sampling settings, per-sequence random keys, and the per-step sampler (temperature, top-k, top-p, greedy).
 
-Every sequence draws from its own random stream, derived from (seed, prompt key, sample index) alone, and each
-sampled token takes the next uniform of that stream; the sampler turns a row's uniform into a token by inverse CDF
-on that row's probabilities. A sequence's tokens therefore depend on its own logits and stream only, not on the
-batch, the wave or the process that runs it.
+Every sequence has its own key, derived from (seed, prompt key, sample index) alone. Token t of a sequence is drawn
+by the Gumbel-max rule, `argmax_v(log p(v) + g[t, v])`, where the noise `g[t, v]` is a counter-based hash of the
+sequence's key, t and v: the same numbers on every device, in any batch, and for any distribution they are applied
+to. So a sequence's tokens depend on its own logits and key only, not on the batch, the wave or the process that
+runs it; and two distributions at the same position (a sparse draft and the dense policy, `engine.exact`) draw with
+the same noise, so they pick the same token whenever their argmax agrees (the coupling that makes exact rollouts
+return the dense policy's own samples).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +22,8 @@ from sparrow.errors import SparrowError
 from sparrow.typed_config import check_int
 
 KEY_LIMIT = 2**32
-"""Prompt keys and sample indices must be below this: each then takes one word of the stream's spawn key."""
+"""Prompt keys and sample indices must be below this: each then takes one word of the key's spawn key."""
+
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class SamplingParams:
 
     Log-probs are those of the rollout distribution after temperature and before top-k/top-p truncation (the
     policy whose ratio to the dense policy TIS corrects); with greedy decoding they are at temperature 1.
-    `seed` (>= 0) fixes every sequence's random stream (see `sequence_stream`); None draws a fresh one per call.
+    `seed` (>= 0) fixes every sequence's random key (see `sequence_key`); None draws a fresh one per call.
     """
 
     max_new_tokens: int = 256
@@ -70,22 +73,57 @@ def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def sequence_stream(seed: int, key: int, sample_index: int) -> np.random.Generator:
-    """The random stream of sample `sample_index` of the prompt keyed `key` under `seed`.
-
-    PCG64 seeded by `SeedSequence(seed, spawn_key=(key, sample_index))`, numpy's documented way to derive
-    independent streams from one root seed; it depends on the three integers only. Token t of the sequence is
-    drawn with the stream's t-th uniform (`draw_uniforms`).
-    """
+def sequence_key(seed: int, key: int, sample_index: int) -> tuple[int, int]:
+    """The random key of sample `sample_index` of the prompt keyed `key` under `seed`: two 32-bit words from
+    `SeedSequence(seed, spawn_key=(key, sample_index))`, numpy's documented way to derive independent streams from
+    one root seed, as int32 values. It depends on the three integers only."""
     for name, value in (("prompt key", key), ("sample index", sample_index)):
         if not 0 <= value < KEY_LIMIT:
             raise SparrowError(f"{name} must be in [0, 2**32), got {value}")
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(key, sample_index))))
+    words = np.random.SeedSequence(seed, spawn_key=(key, sample_index)).generate_state(2, np.uint32)
+    return _signed32(int(words[0])), _signed32(int(words[1]))
 
 
-def draw_uniforms(streams: Sequence[np.random.Generator], device: torch.device | str = "cpu") -> torch.Tensor:
-    """The next uniform in [0, 1) of each stream, as a float64 tensor [len(streams)] on `device`."""
-    return torch.tensor([stream.random() for stream in streams], dtype=torch.float64, device=device)
+def _signed32(value: int) -> int:
+    """A 32-bit word as the int32 holding the same bits."""
+    return value - 2**32 if value >= 2**31 else value
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' 32-bit integer hash 'lowbias32' of an int32 tensor, bit for bit (logical shifts by masking,
+    multiplication modulo 2**32 by int32's two's-complement wrap-around, as PyTorch's CPU and CUDA kernels do;
+    tests pin it against a pure-Python reference)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _signed32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _signed32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+_VOCAB_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _vocab_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """hash32 of every token id [V], computed once per vocabulary size and device."""
+    found = _VOCAB_HASH.get((vocab, device))
+    if found is None:
+        found = _VOCAB_HASH[(vocab, device)] = hash32(torch.arange(vocab, dtype=torch.int32, device=device))
+    return found
+
+
+def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [B, V] (float32) for rows with `keys` [B, 2] (from `sequence_key`) at generated-token index
+    `positions` [B]. A counter-based draw: entry (b, v) is a hash of (key b, position b, v) alone, so the same on
+    every device and in every batch.
+
+    The uniforms have 24 bits, so the noise lies in about [-2.9, 17.3]: a token whose logit is more than ~20 below
+    the best one's is never drawn (its probability is below 2e-9)."""
+    keys = keys.to(torch.int32)
+    golden = _signed32(0x9E3779B9)
+    row = hash32(keys[:, 0] ^ hash32(keys[:, 1] + positions.to(torch.int32) * golden))  # [B]
+    bits = hash32(_vocab_hash(vocab, keys.device)[None, :] ^ row[:, None])
+    uniforms = (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24  # in (0, 1), exactly representable
+    return -torch.log(-torch.log(uniforms))
 
 
 @dataclass
@@ -117,39 +155,30 @@ def truncate(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return allowed
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token per row [B] of `probs` [B, V]: the first whose cumulative probability exceeds uniforms[b] * total.
-
-    An exact multinomial draw given uniforms in [0, 1). The CDF is summed in float64 and the target is kept
-    strictly below its last entry, so the chosen token always raises the CDF: a token of probability 0 is never
-    chosen, not even at u -> 1 or u = 0.
-    """
-    cdf = probs.double().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)  # only a row with non-finite probabilities could pass the end
-
-
 def all_finite(values: torch.Tensor) -> torch.Tensor:
     """Per row of `values` [B, V], whether every entry is finite: max and min both finite (NaN propagates through
     both), two reductions instead of an elementwise pass."""
     return torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> StepSample:
-    """Sample one token per row of `logits` [B, V], row b with `uniforms[b]` (ignored, and may be None, if greedy).
+def choose(scaled: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
+    """The token per row of `scaled` [B, V] (logits over the sampling temperature): the argmax if greedy, else the
+    Gumbel-max draw with `noise` [B, V], an exact draw from the top-k/top-p truncated distribution."""
+    if params.greedy:
+        return scaled.argmax(dim=-1)
+    if noise is None:
+        raise ValueError("sampling at a temperature above 0 needs Gumbel noise per row")
+    return (truncate(scaled, params) + noise).argmax(dim=-1)
 
-    A row's token, log-probs and `finite` flag depend on that row's logits and uniform only.
+
+def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> StepSample:
+    """Sample one token per row of `logits` [B, V], row b with `noise[b]` (ignored, and may be None, if greedy).
+
+    A row's token, log-probs and `finite` flag depend on that row's logits and noise only.
     """
     scaled = logits.float() / params.logprob_temperature
     finite = all_finite(scaled)
     logp = torch.log_softmax(scaled, dim=-1)
-    if params.greedy:
-        tokens = scaled.argmax(dim=-1)
-    elif uniforms is None:
-        raise ValueError("sampling at a temperature above 0 needs one uniform per row")
-    else:
-        tokens = inverse_cdf(truncate(scaled, params).softmax(dim=-1), uniforms)
+    tokens = choose(scaled, params, noise)
     top = logp.topk(min(params.num_logprobs, logp.shape[-1]), dim=-1)
     return StepSample(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values, finite)

@@ -1,5 +1,5 @@
-"""Per-sequence randomness (a sample depends on (seed, prompt key, sample index) only), the inverse-CDF sampler,
-and non-finite logits stopping generation with a message naming the sequence and token."""
+"""Per-sequence randomness (a sample depends on (seed, prompt key, sample index) only), the Gumbel-max sampler and
+its counter-based noise, and non-finite logits stopping generation with a message naming the sequence and token."""
 
 import copy
 
@@ -9,7 +9,7 @@ import torch
 
 from sparrow.attention import cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.engine.sampling import draw_uniforms, inverse_cdf, sample, sequence_stream
+from sparrow.engine.sampling import gumbel_noise, hash32, sample, sequence_key
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, const
 from tests.conftest import _tiny, random_prompts
@@ -72,18 +72,53 @@ def test_the_key_not_the_position_picks_the_stream_and_no_seed_stays_random(llam
     assert as_key(0, unseeded) != as_key(0, unseeded)
 
 
-def test_sequence_streams_depend_on_the_three_integers_only():
-    first = [sequence_stream(7, 2, 1).random() for _ in range(3)]
-    assert first == [sequence_stream(7, 2, 1).random() for _ in range(3)]
-    draws = {(s, k, i): sequence_stream(s, k, i).random() for s, k, i in
-             [(7, 2, 1), (7, 1, 2), (2, 7, 1), (7, 2, 0), (0, 0, 0), (2**40, 0, 0), (0, 2**32 - 1, 0)]}
-    assert len(set(draws.values())) == len(draws)
-    streams = [sequence_stream(7, k, 0) for k in range(3)]
-    uniforms = draw_uniforms(streams)
-    assert uniforms.dtype == torch.float64 and uniforms.shape == (3,) and bool(((0 <= uniforms) & (uniforms < 1)).all())
-    assert uniforms[1].item() == sequence_stream(7, 1, 0).random()
+def test_sequence_keys_depend_on_the_three_integers_only():
+    assert sequence_key(7, 2, 1) == sequence_key(7, 2, 1)
+    keys = {(s, k, i): sequence_key(s, k, i) for s, k, i in
+            [(7, 2, 1), (7, 1, 2), (2, 7, 1), (7, 2, 0), (0, 0, 0), (2**40, 0, 0), (0, 2**32 - 1, 0)]}
+    assert len(set(keys.values())) == len(keys)
+    assert all(-2**31 <= w < 2**31 for key in keys.values() for w in key)  # int32 words
     with pytest.raises(SparrowError, match=r"prompt key must be in \[0, 2\*\*32\), got 4294967296"):
-        sequence_stream(0, 2**32, 0)
+        sequence_key(0, 2**32, 0)
+
+
+def _lowbias32(x: int) -> int:
+    """The reference hash in plain Python integers (unsigned 32-bit)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash32_equals_the_reference_bit_for_bit():
+    values = [0, 1, 123456789, 2**31 - 1, -1, -5, -2**31, 0x7FEB352D]
+    got = hash32(torch.tensor(values, dtype=torch.int32)).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [_lowbias32(v) for v in values]
+
+
+def test_gumbel_noise_is_counter_based_and_gives_exact_draws():
+    keys = torch.tensor([sequence_key(1, k, 0) for k in range(3)], dtype=torch.int32)
+    noise = gumbel_noise(keys, torch.tensor([0, 5, 9]), 50)
+    alone = gumbel_noise(keys[1:2], torch.tensor([5]), 50)
+    assert torch.equal(noise[1:2], alone)  # a row's noise depends on its key and position only
+    assert not torch.equal(noise[0], gumbel_noise(keys[:1], torch.tensor([1]), 50)[0])  # another position
+    # a pinned value: the noise (so every seeded sample) is the same on any machine
+    assert round(float(noise[0, 0]), 5) == round(float(-np.log(-np.log(((_lowbias32(
+        _lowbias32(0) ^ int(_row_hash(keys[0], 0))) >> 8) + 0.5) * 2.0**-24))), 5)
+    # Gumbel-max over 20000 independent positions draws each token with its probability
+    n = 20000
+    probs = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    many = gumbel_noise(keys[:1].expand(n, 2), torch.arange(n), 4)
+    tokens = sample(probs.log().expand(n, -1), SamplingParams(), many).tokens
+    freq = torch.bincount(tokens, minlength=4) / n
+    assert torch.allclose(freq, probs, atol=0.015) and freq[3] == 0
+
+
+def _row_hash(key: torch.Tensor, position: int) -> int:
+    k0, k1 = (int(w) & 0xFFFFFFFF for w in key)
+    return _lowbias32(k0 ^ _lowbias32((k1 + position * 0x9E3779B9) & 0xFFFFFFFF))
 
 
 @pytest.mark.parametrize("keys, message", [
@@ -99,27 +134,16 @@ def test_bad_prompt_keys_fail_clearly(llama, keys, message):
         RolloutEngine(*llama).generate(PROMPTS[:2], SAMPLED, prompt_keys=keys)
 
 
-def test_inverse_cdf_is_an_exact_multinomial_that_never_picks_a_zero_probability_token():
-    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0])
-    n = 4000
-    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    counts = torch.bincount(inverse_cdf(probs.expand(n, -1), grid), minlength=6)
-    assert counts.tolist() == [0, 1000, 0, 2000, 1000, 0]
-    edges = torch.tensor([0.0, 0.25, 0.75, 1 - 2**-53, np.nextafter(0.25, 0)], dtype=torch.float64)
-    assert inverse_cdf(probs.expand(5, -1), edges).tolist() == [1, 3, 4, 4, 1]
-    # a row whose float32 probabilities sum to less than 1 still never runs into the zero-probability tail
-    short = torch.tensor([[0.3, 0.3, 0.3999999, 0.0]])
-    assert inverse_cdf(short, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [2]
-
-
-def test_sampling_draws_each_row_from_its_own_uniform_after_truncation():
+def test_sampling_draws_each_row_with_its_own_noise_after_truncation():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
     params = SamplingParams(top_k=2, num_logprobs=3)
-    step = sample(logits, params, torch.tensor([0.7, 0.99], dtype=torch.float64))
-    assert step.tokens.tolist() == [2, 2]  # row 0: CDF 0, 2/3, 1 over its top-2 {1, 2}; row 1: 0.625, 0.625, 1
-    assert sample(logits, params, torch.tensor([0.6, 0.6], dtype=torch.float64)).tokens.tolist() == [1, 0]
+    noise = torch.tensor([[9.0, 0.0, 0.8], [0.0, 0.0, 9.0]])
+    step = sample(logits, params, noise)
+    # row 0: token 0 is outside the top 2, so its large noise is ignored; log 0.3 + 0.8 beats log 0.6
+    assert step.tokens.tolist() == [2, 2]
+    assert sample(logits, params, torch.zeros(2, 3)).tokens.tolist() == [1, 0]
     assert torch.allclose(step.logprobs.exp(), torch.tensor([0.3, 0.3]))
-    alone = sample(logits[1:], params, torch.tensor([0.99], dtype=torch.float64))
+    alone = sample(logits[1:], params, noise[1:])
     assert alone.tokens.tolist() == [2] and torch.equal(alone.logprobs, step.logprobs[1:])
     assert step.finite.tolist() == [True, True]
 

@@ -1,0 +1,130 @@
+"""Exact rollouts: the sparse actor drafts, the dense policy verifies (self-speculative decoding).
+
+Each round, every live row holds a pending token (sampled, not yet cached). Up to K sparse decode steps (the
+schedule, landmarks, dense layers and any DistillSparse adapter) draft K more tokens; then one dense span step
+(adapter off) feeds the pending token and the drafts at once and gives the dense distribution at each of the K+1
+positions. The dense token at each position is drawn with the same Gumbel noise as the draft there
+(`sampling.gumbel_noise`), so a draft is accepted exactly when the dense policy draws the same token. The accepted
+drafts keep the dense keys/values the span wrote over the draft's; the first mismatch takes the dense token and the
+later drafts are dropped (their slots are rewritten later); if all K match, the last position gives one more dense
+token. The committed tokens are therefore the ones dense decoding draws for the same seed, up to float rounding
+between the span forward and one-token steps.
+
+Every drafted token on the committed prefix has both distributions, so its exact acceptance alpha is recorded for
+free (`Completion.draft_acceptance`); no teacher-forced pass is needed to monitor the draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow.errors import SparrowError
+from sparrow.lora import without_adapter
+from sparrow.metrics import acceptance_rate
+from sparrow.schedules import Schedule
+
+from .sampling import SamplingParams, StepSample, choose, sample
+from .sequence import Completion
+
+MAX_DRAFT_TOKENS = 64
+
+
+def check_draft_tokens(value) -> int:
+    """The number of tokens drafted per verification: an integer in [1, MAX_DRAFT_TOKENS]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise SparrowError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {value!r}")
+    return value
+
+
+def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits: torch.Tensor,
+               sampling: SamplingParams, schedule: Schedule, draft_tokens: int, bar) -> None:
+    """Decode one wave in exact mode from the dense prefill's next-token `logits` [rows, V] until every
+    sequence of `live` is finished. `engine` is the RolloutEngine whose cache rows `live` occupies."""
+    vocab = logits.shape[-1]
+    step = sample(logits, sampling, engine.noise(keys, live, sampling, vocab))
+    engine.check_finite(step, logits, live, sampling)
+    engine.record(live, step, cache.lengths.clone(), sampling)
+    for seq in live:
+        seq.drafted.append(False)
+        seq.draft_acceptance.append(None)
+    bar.update(len(live))
+    pending = step.tokens
+    clock = engine.lap("sample", engine.clock())
+    while True:
+        keep = [r for r, seq in enumerate(live) if not seq.finished]
+        bar.update(sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
+        if not keep:
+            break
+        if len(keep) < len(live):
+            keep = cache.keep(keep)
+            index = torch.tensor(keep, device=engine.device)
+            live = [live[r] for r in keep]
+            keys, pending = keys.index_select(0, index), pending.index_select(0, index)
+        room = max(sampling.max_new_tokens - len(seq.token_ids) for seq in live) - 1
+        count = min(draft_tokens, room)
+        noise = [engine.noise(keys, live, sampling, vocab, ahead=j) for j in range(count + 1)]
+        start = cache.lengths.clone()
+        drafts, draft_logits = _draft(engine, cache, pending, sampling, schedule, noise[:count])
+        clock = engine.lap("decode", clock)
+        cache.lengths = start.clone()
+        with without_adapter(engine.model):
+            dense = engine.span_step(cache, torch.cat([pending[:, None], drafts], dim=1))  # [rows, count+1, V]
+        clock = engine.lap("verify", clock)
+        steps = [sample(dense[:, j], sampling, noise[j]) for j in range(count + 1)]
+        tokens = torch.stack([s.tokens for s in steps], dim=1)  # the dense policy's draw at each position
+        accepted = torch.cumprod((tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
+        alphas = (acceptance_rate(torch.stack(draft_logits, 1), dense[:, :count], sampling.logprob_temperature)
+                  if count else dense.new_zeros(len(live), 0))
+        _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)
+        cache.lengths = start + 1 + accepted
+        pending = tokens.gather(1, accepted[:, None]).squeeze(1)
+        clock = engine.lap("sample", clock)
+
+
+def _draft(engine, cache, pending: torch.Tensor, sampling: SamplingParams, schedule: Schedule,
+           noise: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`len(noise)` sparse decode steps from `pending`: the drafted tokens [rows, K] and each step's logits."""
+    tokens, logits = [], []
+    token = pending
+    for step_noise in noise:
+        step_logits, _ = engine.decode_step(cache, token, schedule)
+        token = choose(step_logits / sampling.logprob_temperature, sampling, step_noise)
+        tokens.append(token)
+        logits.append(step_logits)
+    empty = pending.new_zeros(len(pending), 0)
+    return (torch.stack(tokens, dim=1) if tokens else empty), logits
+
+
+def _commit(engine, live: list[Completion], steps: list[StepSample], dense: torch.Tensor, accepted: torch.Tensor,
+            alphas: torch.Tensor, start: torch.Tensor, sampling: SamplingParams, bar) -> None:
+    """Record, per row, the dense tokens at positions 0..accepted[row] (stopping where the sequence finishes)."""
+    count = alphas.shape[1]
+    accepted_list, alpha_list = accepted.tolist(), alphas.tolist()
+    for seq in live:
+        seq.verifies += 1
+    for j, step in enumerate(steps):
+        rows = [r for r, seq in enumerate(live) if j <= accepted_list[r] and not seq.finished]
+        if not rows:
+            break
+        index = torch.tensor(rows, device=engine.device)
+        part = StepSample(*(t.index_select(0, index) for t in (step.tokens, step.logprobs, step.top_ids,
+                                                               step.top_logprobs, step.finite)))
+        subset = [live[r] for r in rows]
+        engine.check_finite(part, dense[:, j].index_select(0, index), subset, sampling)
+        engine.record(subset, part, (start + 1 + j).index_select(0, index), sampling)
+        for r, seq in zip(rows, subset):
+            seq.drafted.append(j < accepted_list[r])
+            seq.draft_acceptance.append(alpha_list[r][j] if j < count else None)
+        bar.update(len(rows))
+
+
+def exact_summary(completions: list[Completion]) -> dict[str, float]:
+    """What exact mode did over `completions`: verifications, tokens per verification (the mean accepted
+    length plus the dense token each round adds), and the share of tokens that were accepted drafts."""
+    verifies = sum(c.verifies for c in completions)
+    tokens = sum(len(c.token_ids) - 1 for c in completions)  # the first token comes from the prefill
+    drafted = sum(sum(c.drafted) for c in completions)
+    if not verifies:
+        raise SparrowError("these completions were not generated in exact mode (no verification recorded)")
+    return {"verifies": verifies, "tokens_per_verify": tokens / verifies,
+            "drafted_share": drafted / max(tokens, 1)}
