@@ -22,14 +22,15 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Schedule, sampling: SamplingParams, k: int,
-             threshold: float = 1.0, progress: bool = False, adapter: bool = True) -> dict:
+             threshold: float = 1.0, progress: bool = False, adapter: bool = True,
+             draft_tokens: int | None = None) -> dict:
     """Sample k completions per example from `backend` (a RolloutBackend; `adapter=False` samples the policy
     without its DistillSparse adapter) and score them as training does (every column of the row reaches the
     rewards); a completion passes when its total reward reaches `threshold`. Also each prompt's mean reward and
     length, and the 95% interval of mean@k over prompts (`mean_low`, `mean_high`; prompts are the independent
-    units)."""
+    units). `draft_tokens`: exact mode (the schedule drafts, the dense policy decides)."""
     completions = backend.generate([ex.prompt for ex in examples], sampling, schedule, k, adapter=adapter,
-                                   progress=progress)
+                                   progress=progress, **({"draft_tokens": draft_tokens} if draft_tokens else {}))
     totals = score_examples(reward_fns, examples, completions).totals
     per_example = [totals[i * k:(i + 1) * k] for i in range(len(examples))]
     passed = [sum(r >= threshold for r in rewards) for rewards in per_example]

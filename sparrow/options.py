@@ -19,6 +19,7 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.engine import SamplingParams
+from sparrow.engine.exact import check_draft_tokens
 from sparrow.errors import SparrowError
 from sparrow.lora import LoraSpec, check_adapter_dir, load_adapter
 from sparrow.models import resolve_device, resolve_dtype
@@ -26,7 +27,7 @@ from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
 from sparrow.rollout.factory import check_backend, create_backend
 from sparrow.rollout.model_spec import ModelSpec, check_rollout_workers
-from sparrow.schedules import Schedule, parse_schedule
+from sparrow.schedules import DENSE, Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int, option
 
 SCHEDULE_HELP = "dense, const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON schedule file"
@@ -133,16 +134,37 @@ class SparseSection:
         return parse_schedule(spec, sparse.page_size, sparse.always_kept_pages)
 
 
+ROLLOUT_MODES = ("sparse", "exact", "dense")
+
+
 @dataclass
 class ScheduledSparseSection(SparseSection):
-    """The sparse rule and the schedule rollouts decode with."""
+    """The sparse rule, the schedule rollouts decode with, and how they use it (the rollout mode)."""
 
     schedule: str = option("dense", SCHEDULE_HELP)
+    rollout_mode: str = option("sparse", "sparse: decode with the schedule; exact: the schedule drafts, the dense "
+                               "policy verifies (its own samples, token for token); dense: the dense schedule")
+    draft_tokens: int = option(4, "exact mode: tokens the schedule drafts per dense verification")
     parsed_schedule: Schedule | None = _parsed()
 
     def validate(self) -> None:
         super().validate()
-        self.parsed_schedule = self.parse(self.schedule)
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
+        check_draft_tokens(self.draft_tokens)
+        self.parsed_schedule = DENSE if self.rollout_mode == "dense" else self.parse(self.schedule)
+        if self.exact and self.parsed_schedule.is_dense:
+            raise SparrowError("--rollout-mode exact drafts with a sparse schedule: give --schedule other than 'dense' "
+                               "(a preset, const:N, ...)")
+
+    @property
+    def exact(self) -> bool:
+        return self.rollout_mode == "exact"
+
+    @property
+    def draft(self) -> int | None:
+        """What the engine's `generate(draft_tokens=...)` takes: K in exact mode, else None."""
+        return self.draft_tokens if self.exact else None
 
 
 @dataclass
@@ -182,8 +204,12 @@ class RolloutSection:
                                          "divided by the workers)")
     max_batch_size: int = option(64, "most sequences decoded together by a rollout engine")
 
-    def validate(self, device: str) -> None:
-        """`device`: the model section's, which decides whether local Ray workers need GPUs."""
+    def validate(self, device: str, sparse: ScheduledSparseSection | None = None) -> None:
+        """`device`: the model section's, which decides whether local Ray workers need GPUs; `sparse`: the
+        command's schedule section, whose rollout mode the backend must support."""
+        if sparse is not None and sparse.exact and self.backend == "vllm":
+            raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
+                               "workers), not in vLLM: see docs/exact-mode.md")
         check_rollout_workers(self.workers, self.ray_address, device)
         if self.cpus_per_worker is not None:
             check_int("cpus_per_worker", self.cpus_per_worker, 1)

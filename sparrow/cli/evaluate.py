@@ -30,7 +30,7 @@ class EvalConfig:
     def validate(self) -> None:
         for part in (self.model, self.sparse, self.sampling, self.data):
             part.validate()
-        self.rollout.validate(self.model.device)
+        self.rollout.validate(self.model.device, self.sparse)
         check_int("k", self.k, 1)
         check_int("seed", self.seed, 0)
         if not math.isfinite(self.threshold):
@@ -47,10 +47,11 @@ def run(args) -> int:
     try:
         result = evaluate(backend, examples, data.parsed, config.sparse.parsed_schedule,
                           config.sampling.params(config.seed, num_logprobs=1), config.k, config.threshold,
-                          progress=not config.json)
+                          progress=not config.json, draft_tokens=config.sparse.draft)
     finally:
         backend.close()
     result["schedule"] = config.sparse.schedule
+    result["rollout_mode"] = config.sparse.rollout_mode
     if config.json:
         print(json.dumps(result))
     else:

@@ -1,4 +1,4 @@
-"""`sparrow generate`: sample completions with a sparse schedule and print them (or JSON lines)."""
+"""`sparrow generate`: sample completions with a sparse schedule (or in exact mode) and print them (or JSON lines)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from sparrow.datasets import read_prompts
 from sparrow.engine import SamplingParams, as_chat, content_keys
+from sparrow.engine.exact import exact_summary
 from sparrow.errors import SparrowError
 from sparrow.options import (
     AdaptedModelSection,
@@ -47,7 +48,7 @@ class GenerateConfig:
     def validate(self) -> None:
         for part in (self.model, self.sparse, self.sampling):
             part.validate()
-        self.rollout.validate(self.model.device)
+        self.rollout.validate(self.model.device, self.sparse)
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if self.prompts is not None:
@@ -65,9 +66,14 @@ def run(args) -> int:
         completions = backend.generate(as_chat(prompts) if config.chat else prompts,
                                        config.sampling.params(config.seed), config.sparse.parsed_schedule,
                                        config.num_samples, progress=not config.json,
-                                       prompt_keys=content_keys(prompts))
+                                       prompt_keys=content_keys(prompts), draft_tokens=config.sparse.draft)
     finally:
         backend.close()
+    if config.sparse.exact and not config.json:
+        summary = exact_summary(completions)
+        print(f"exact mode: {summary['tokens_per_verify']:.2f} tokens per dense verification, "
+              f"{summary['drafted_share']:.0%} of tokens drafted by {config.sparse.schedule} and accepted",
+              file=sys.stderr)
     for c in completions:
         if config.json:
             print(json.dumps(c.to_json()))

@@ -180,8 +180,8 @@ class RolloutEngine:
             for start in range(0, len(prompts), per_wave):
                 wave = list(range(start, min(start + per_wave, len(prompts))))
                 seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in wave for s in range(num_samples)]
-                results += self._generate_wave(wave, seqs, self.row_keys(seed, seqs), encoded, sampling, schedule, num_samples, bar,
-                                               draft_tokens)
+                results += self._generate_wave(wave, seqs, self.row_keys(seed, seqs), encoded, sampling, schedule,
+                                               num_samples, bar, draft_tokens)
         return results
 
     def row_keys(self, seed: int, seqs: list[Completion]) -> torch.Tensor:
@@ -204,12 +204,20 @@ class RolloutEngine:
         clock = self.clock()
         with without_adapter(self.model) if draft_tokens else contextlib.nullcontext():  # exact: dense prefill
             logits = self._prefill_wave(cache, wave, encoded, num_samples)
+        self.lap("prefill", clock)
+        self.decode_wave(cache, seqs, keys, logits, sampling, schedule, bar, draft_tokens)
+        return self._finish(seqs, sampling)
+
+    def decode_wave(self, cache: KVCache, seqs: list[Completion], keys: torch.Tensor, logits: torch.Tensor,
+                    sampling: SamplingParams, schedule: Schedule, bar, draft_tokens: int | None = None) -> None:
+        """Decode `seqs` (cache row r holds seqs[r]'s prefilled prompt; `logits` [rows, V] their next-token logits)
+        until each is finished, with `schedule` or, given `draft_tokens`, in exact mode. `cache` is consumed."""
+        if draft_tokens:
+            exact_wave(self, cache, list(seqs), keys, logits, sampling, schedule, draft_tokens, bar)
+            return
         budget = cache.lengths.clone()
         live = list(seqs)
-        clock = self.lap("prefill", clock)
-        if draft_tokens:
-            exact_wave(self, cache, live, keys, logits, sampling, schedule, draft_tokens, bar)
-            return self._finish(seqs, sampling)
+        clock = self.clock()
         while True:
             step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1]))
             self.check_finite(step, logits, live, sampling)
@@ -228,7 +236,6 @@ class RolloutEngine:
             logits, budget = self.decode_step(cache, step.tokens, schedule)
             clock = self.lap("decode", clock)
         self.lap("sample", clock)
-        return self._finish(seqs, sampling)
 
     def _finish(self, seqs: list[Completion], sampling: SamplingParams) -> list[Completion]:
         for seq in seqs:

@@ -100,8 +100,9 @@ def _commit(engine, live: list[Completion], steps: list[StepSample], dense: torc
     """Record, per row, the dense tokens at positions 0..accepted[row] (stopping where the sequence finishes)."""
     count = alphas.shape[1]
     accepted_list, alpha_list = accepted.tolist(), alphas.tolist()
-    for seq in live:
+    for seq, took in zip(live, accepted_list):
         seq.verifies += 1
+        seq.rejections += took < count
     for j, step in enumerate(steps):
         rows = [r for r, seq in enumerate(live) if j <= accepted_list[r] and not seq.finished]
         if not rows:
@@ -119,12 +120,17 @@ def _commit(engine, live: list[Completion], steps: list[StepSample], dense: torc
 
 
 def exact_summary(completions: list[Completion]) -> dict[str, float]:
-    """What exact mode did over `completions`: verifications, tokens per verification (the mean accepted
-    length plus the dense token each round adds), and the share of tokens that were accepted drafts."""
+    """What exact mode did over `completions`: verifications; tokens per verification (the mean accepted length
+    plus the dense token each one adds); the share of tokens that were accepted drafts; the coupled acceptance
+    (accepted drafts over drafts judged: a verification judges drafts up to its first rejection); and the mean
+    exact acceptance alpha of the drafted tokens (what the optimal rejection rule would accept)."""
     verifies = sum(c.verifies for c in completions)
-    tokens = sum(len(c.token_ids) - 1 for c in completions)  # the first token comes from the prefill
-    drafted = sum(sum(c.drafted) for c in completions)
     if not verifies:
         raise SparrowError("these completions were not generated in exact mode (no verification recorded)")
-    return {"verifies": verifies, "tokens_per_verify": tokens / verifies,
-            "drafted_share": drafted / max(tokens, 1)}
+    tokens = sum(len(c.token_ids) - 1 for c in completions)  # the first token comes from the prefill
+    accepted = sum(sum(c.drafted) for c in completions)
+    alphas = [a for c in completions for a in c.draft_acceptance if a is not None]
+    judged = accepted + sum(c.rejections for c in completions)
+    return {"verifies": verifies, "tokens_per_verify": tokens / verifies, "drafted_share": accepted / max(tokens, 1),
+            "coupled_acceptance": accepted / judged if judged else float("nan"),
+            "mean_alpha": sum(alphas) / len(alphas) if alphas else float("nan")}

@@ -17,7 +17,8 @@ class Completion:
     prompt_index is the prompt's index within the call that generated it; prompt_key the key its random streams
     were derived from (`RolloutEngine.generate(prompt_keys=...)`; the index unless the caller gave keys).
     sampling: the settings it was drawn with (its log-probs are at `sampling.logprob_temperature`).
-    Exact mode (`engine.exact`) also records the dense verifications run for this sequence (`verifies`) and, per
+    Exact mode (`engine.exact`) also records the dense verifications run for this sequence (`verifies`), how many
+    of them rejected a draft (`rejections`) and, per
     token, whether it was a draft the dense policy accepted (`drafted`) and the exact acceptance of the draft's
     distribution against the dense one there (`draft_acceptance`; None where no draft was made on this prefix).
     Its log-probs and top log-probs are the dense policy's, and `kv_budget` the cached length (dense attention).
@@ -36,6 +37,7 @@ class Completion:
     finish_reason: str | None = None
     sampling: SamplingParams | None = None
     verifies: int = 0
+    rejections: int = 0
     drafted: list[bool] = field(default_factory=list)
     draft_acceptance: list[float | None] = field(default_factory=list)
 
@@ -52,6 +54,6 @@ class Completion:
         record.pop("prompt_token_ids")
         record["prompt_length"] = len(self.prompt_token_ids)
         if not self.verifies:  # not exact mode
-            for key in ("verifies", "drafted", "draft_acceptance"):
+            for key in ("verifies", "rejections", "drafted", "draft_acceptance"):
                 record.pop(key)
         return record

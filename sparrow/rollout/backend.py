@@ -28,9 +28,11 @@ class RolloutBackend(Protocol):
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
         """`num_samples` completions per prompt, grouped by prompt then sample index (`prompt_index` is the
-        position in `prompts`). `adapter=False` samples from the policy without its DistillSparse adapter."""
+        position in `prompts`). `adapter=False` samples from the policy without its DistillSparse adapter.
+        `draft_tokens` K: exact mode (the schedule drafts K tokens per dense verification; the native engine and
+        its Ray workers only)."""
         ...
 
     def sync_weights(self, model) -> None:

@@ -36,11 +36,11 @@ class NativeBackend:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
         scope = contextlib.nullcontext() if adapter else without_adapter(self.engine.model)
         with scope:
             return self.engine.generate(prompts, sampling, schedule, num_samples, progress=progress,
-                                        prompt_keys=prompt_keys)
+                                        prompt_keys=prompt_keys, draft_tokens=draft_tokens)
 
     @property
     def timing(self) -> dict[str, float]:

@@ -102,11 +102,12 @@ class RolloutWorker:
 
     def generate(self, version: int, weights: list, prompt_ids: list[list[int]], keys: list[int],
                  sampling: SamplingParams, schedule: Schedule, num_samples: int,
-                 adapter: bool) -> tuple[list[Completion], float]:
+                 adapter: bool, draft_tokens: int | None = None) -> tuple[list[Completion], float]:
         """Completions of one share (prompt_index: position in the share) and the seconds they took."""
         self.load(version, weights)
         began = time.perf_counter()
-        out = self.backend.generate(prompt_ids, sampling, schedule, num_samples, prompt_keys=keys, adapter=adapter)
+        out = self.backend.generate(prompt_ids, sampling, schedule, num_samples, prompt_keys=keys, adapter=adapter,
+                                    draft_tokens=draft_tokens)
         return out, time.perf_counter() - began
 
 
@@ -160,7 +161,7 @@ class RayRolloutBackend:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
         if not prompts:
             raise SparrowError("no prompts given")
         keys = check_prompt_keys(prompt_keys, len(prompts))
@@ -170,7 +171,7 @@ class RayRolloutBackend:
         version, weights = self._version, [self._weights]
         calls = {w: (lambda actor, share=share: actor.generate.remote(
             version, weights, [encoded[i] for i in share], [keys[i] for i in share], sampling, schedule,
-            num_samples, adapter)) for w, share in shares.items()}
+            num_samples, adapter, draft_tokens)) for w, share in shares.items()}
         began = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="rollout workers", unit="prompt", disable=not progress)
         results, retries = self._run(calls, on_done=lambda w: bar.update(len(shares[w])))
