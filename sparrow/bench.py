@@ -203,3 +203,100 @@ def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: 
     for name, t in times.items():
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / (steps - 1):.1f} ms/step)")
     return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s)
+
+
+@dataclass
+class ExactBenchResult:
+    """Decode tokens/s of dense, sparse and exact mode on real text, and what exact mode's verification did."""
+
+    dense_tokens_per_s: float
+    sparse_tokens_per_s: float
+    exact_tokens_per_s: float
+    sparse_over_dense: float
+    exact_over_dense: float
+    tokens_per_verify: float
+    coupled_acceptance: float
+    mean_alpha: float
+    identical_sequences: int
+    sequences: int
+    prompt_tokens: int
+    prefill_s: float
+
+
+def task_prompt(tokenizer, context: int, seed: int) -> list[int]:
+    """Real text of `context` tokens for decoding: a manifest-task prompt with 64 codes (its answers are long),
+    fitted to about the length and cut to its last `context` tokens (the instruction and the answer's start
+    stay)."""
+    from sparrow.engine import encode_prompt
+    from sparrow.tasks.manifest import make_prompts
+
+    example = make_prompts(1, max(64, int(context * 0.8)), seed, tokenizer, codes=64)[0]
+    ids = encode_prompt(tokenizer, example["prompt"])
+    if len(ids) < context:
+        raise SparrowError(f"the manifest prompt came out at {len(ids)} tokens, below --context {context}")
+    return ids[-context:]
+
+
+def _time_wave(engine: RolloutEngine, cache, logits, prompt: list[int], sampling: SamplingParams,
+               schedule: Schedule, draft_tokens: int | None) -> tuple[float, list]:
+    """Seconds to decode `cache.rows` samples of `prompt` from a prefilled cache, and the completions."""
+    from tqdm.auto import tqdm
+
+    from sparrow.engine import Completion
+
+    seqs = [Completion(0, s, prompt, 0, sampling=sampling) for s in range(cache.rows)]
+    keys = engine.row_keys(sampling.seed, seqs)
+    with engine.linears.packed(), tqdm(disable=True) as bar:
+        _sync(engine.device)
+        start = time.perf_counter()
+        engine.decode_wave(cache.clone(), seqs, keys, logits, sampling, schedule, bar, draft_tokens)
+        _sync(engine.device)
+        return time.perf_counter() - start, seqs
+
+
+def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens: int, context: int, batch: int,
+                        steps: int = 32, repeats: int = 3, seed: int = 0, temperature: float = 1.0,
+                        log=print) -> ExactBenchResult:
+    """Decode tokens/s of dense, sparse (`schedule`) and exact mode (`schedule` drafting `draft_tokens`), alternated,
+    each sampling `steps` tokens per row at `temperature` from one real-text prompt of `context` tokens shared by
+    `batch` rows (a seed per repeat: the same tokens for dense and exact). Exact mode's speed depends on how often
+    the dense policy accepts the drafts, so the text is real, not random ids."""
+    from sparrow.engine.exact import exact_summary
+
+    prompt = task_prompt(engine.tokenizer, context, seed)
+    check_kv_cache_fits(base_model(engine.model).config, engine.dtype, engine.device, batch,
+                        context + steps + draft_tokens)
+    cache = engine.new_cache(batch, context + steps, slack=draft_tokens)
+    log(f"prefill: a {context}-token manifest prompt shared by {batch} rows")
+    start = time.perf_counter()
+    logits = engine.prefill(cache, prompt, torch.arange(batch, device=engine.device)).expand(batch, -1)
+    _sync(engine.device)
+    prefill_s = time.perf_counter() - start
+    configs = {"dense": (DENSE, None), "sparse": (schedule, None), "exact": (schedule, draft_tokens)}
+    warm = SamplingParams(max_new_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
+    for sched, k in configs.values():
+        _time_wave(engine, cache, logits, prompt, warm, sched, k)
+    times = {name: [] for name in configs}
+    identical, summaries = 0, []
+    for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows all alike
+        sampling = SamplingParams(max_new_tokens=steps, temperature=temperature, seed=seed + r, ignore_eos=True)
+        outs = {}
+        for name, (sched, k) in configs.items():
+            seconds, outs[name] = _time_wave(engine, cache, logits, prompt, sampling, sched, k)
+            times[name].append(seconds)
+        identical += sum(e.token_ids == d.token_ids for e, d in zip(outs["exact"], outs["dense"]))
+        summaries.append(exact_summary(outs["exact"]))
+    rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
+    mean = {key: statistics.fmean(s[key] for s in summaries) for key in summaries[0]}
+    for name in configs:
+        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times[name]) / steps:.1f} ms/token "
+            "per row batch)")
+    log(f"exact: {mean['tokens_per_verify']:.2f} tokens per verification, coupled acceptance "
+        f"{mean['coupled_acceptance']:.3f} (mean alpha {mean['mean_alpha']:.3f}), {identical} of {batch * repeats} "
+        "sequences identical to dense")
+    return ExactBenchResult(
+        dense_tokens_per_s=rates["dense"], sparse_tokens_per_s=rates["sparse"], exact_tokens_per_s=rates["exact"],
+        sparse_over_dense=rates["sparse"] / rates["dense"], exact_over_dense=rates["exact"] / rates["dense"],
+        tokens_per_verify=mean["tokens_per_verify"], coupled_acceptance=mean["coupled_acceptance"],
+        mean_alpha=mean["mean_alpha"], identical_sequences=identical, sequences=batch * repeats,
+        prompt_tokens=len(prompt), prefill_s=prefill_s)

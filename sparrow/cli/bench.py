@@ -9,7 +9,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparrow.bench import cache_tokens, check_kv_cache_fits, machine_info, run_benchmark, run_vllm_benchmark
+from sparrow.bench import (
+    cache_tokens,
+    check_kv_cache_fits,
+    machine_info,
+    run_benchmark,
+    run_exact_benchmark,
+    run_vllm_benchmark,
+)
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_config
@@ -53,6 +60,9 @@ class BenchConfig:
                                 or self.block_size % self.sparse.page_size):
             raise SparrowError(f"--block-size {self.block_size}: needs --backend vllm and a multiple of 16 and of the "
                                f"page size ({self.sparse.page_size})")
+        if self.sparse.exact and (self.backend != "native" or self.stock or self.block_size):
+            raise SparrowError("--rollout-mode exact benchmarks our engine on real text: it takes no --backend vllm, "
+                               "--stock or --block-size")
         if self.stock and self.backend != "vllm":
             raise SparrowError("--stock times stock vLLM beside the plugin: it needs --backend vllm")
         if self.backend == "vllm" and self.steps < 2:
@@ -71,6 +81,8 @@ def run(args) -> int:
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
+    if config.sparse.exact:
+        return _run_exact(config, engine, log)
     result = run_benchmark(engine, config.sparse.parsed_schedule, config.context, config.batch, config.steps,
                            config.warmup, config.repeats, config.hf, config.seed, log=log)
     record = {**dataclasses.asdict(result), "config": to_nested(config),
@@ -87,6 +99,20 @@ def run(args) -> int:
             v = record["vllm"]
             print(f"vLLM sparse / vLLM dense: {v['sparse_over_dense']:.2f}x", end="")
             print(f"   vLLM dense (plugin) / stock vLLM: {v['dense_over_stock']:.2f}x" if stock else "")
+    return 0
+
+
+def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
+    """Dense, sparse and exact decode on real text, alternated; one JSON object or a summary line."""
+    result = run_exact_benchmark(engine, config.sparse.parsed_schedule, config.sparse.draft_tokens, config.context,
+                                 config.batch, config.steps, config.repeats, config.seed, log=log)
+    record = {**dataclasses.asdict(result), "config": to_nested(config), "machine": machine_info(engine.device),
+              "date": datetime.date.today().isoformat()}
+    if config.json:
+        print(json.dumps(record))
+    else:
+        print(f"sparse / dense: {result.sparse_over_dense:.2f}x   exact / dense: {result.exact_over_dense:.2f}x "
+              f"({result.tokens_per_verify:.2f} tokens per verification)")
     return 0
 
 

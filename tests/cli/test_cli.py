@@ -38,6 +38,13 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
     (["bench", "--model", "tiny-llama", "--schedule", "dense"], "other than 'dense'"),
     (["bench", "--model", "tiny-llama", "--block-size", "128"], "--block-size 128: needs --backend vllm"),
     (["bench", "--model", "tiny-llama", "--backend", "vllm", "--block-size", "40"], "a multiple of 16"),
+    (["bench", "--model", "tiny-llama", "--rollout-mode", "exact", "--backend", "vllm"], "takes no --backend vllm"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--rollout-mode", "exact"], "drafts with a sparse"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--rollout-mode", "fast"], "unknown rollout mode 'fast'"),
+    (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--rollout-mode", "exact",
+      "--backend", "vllm"], "not in vLLM"),
+    (["eval", "--model", "tiny-llama", "--data", "examples/tiny-data.jsonl", "--schedule", "const:48",
+      "--draft-tokens", "65"], "draft_tokens must be an integer in [1, 64], got 65"),
 ])
 def test_bad_input_gives_one_clear_error(argv, message, capsys):
     assert main(argv) == 2
@@ -60,3 +67,26 @@ def test_bench_reports_all_rates_as_json(capsys):
     for key in ("dense_tokens_per_s", "sparse_tokens_per_s", "hf_tokens_per_s", "sparse_over_dense"):
         assert result[key] > 0
     assert result["kv_bytes_per_step"]["sparse_kv"] < result["kv_bytes_per_step"]["dense_kv"]
+
+
+def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
+    code = main(["bench", "--model", "tiny-llama", "--context", "200", "--batch", "2", "--steps", "12",
+                 "--repeats", "2", "--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "3",
+                 "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["exact_over_dense"] == result["exact_tokens_per_s"] / result["dense_tokens_per_s"] > 0
+    assert result["identical_sequences"] == result["sequences"] == 4  # the dense policy's own tokens
+    assert 1 <= result["tokens_per_verify"] <= 4 and 0 < result["coupled_acceptance"] <= 1
+    assert result["prompt_tokens"] == 200
+
+
+def test_generate_in_exact_mode_equals_dense_generation(capsys):
+    base = ["generate", "--model", "tiny-qwen2", "--prompt", "a prompt of some length", "--max-new-tokens", "20",
+            "--num-samples", "3", "--seed", "4", "--json"]
+    assert main(base + ["--schedule", "dense"]) == 0
+    dense = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert main(base + ["--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "6"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in rows] == dense
+    assert all(r["verifies"] >= 1 and len(r["drafted"]) == len(r["token_ids"]) for r in rows)
