@@ -70,11 +70,15 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         with without_adapter(engine.model):
             dense = engine.span_step(cache, torch.cat([pending[:, None], drafts], dim=1))  # [rows, count+1, V]
         clock = engine.lap("verify", clock)
-        steps = [sample(dense[:, j], sampling, noise[j]) for j in range(count + 1)]
-        tokens = torch.stack([s.tokens for s in steps], dim=1)  # the dense policy's draw at each position
+        rows, span = dense.shape[:2]
+        flat_noise = None if noise[0] is None else torch.stack(noise, dim=1).view(rows * span, vocab)
+        flat = sample(dense.view(rows * span, vocab), sampling, flat_noise)  # every position in one call
+        steps = StepSample(*(t.view(rows, span, *t.shape[1:]) for t in (flat.tokens, flat.logprobs, flat.top_ids,
+                                                                        flat.top_logprobs, flat.finite)))
+        tokens = steps.tokens  # the dense policy's draw at each position [rows, count+1]
         accepted = torch.cumprod((tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
         alphas = (acceptance_rate(torch.stack(draft_logits, 1), dense[:, :count], sampling.logprob_temperature)
-                  if count else dense.new_zeros(len(live), 0))
+                  if count else dense.new_zeros(rows, 0))
         _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)
         cache.lengths = start + 1 + accepted
         pending = tokens.gather(1, accepted[:, None]).squeeze(1)
@@ -95,21 +99,22 @@ def _draft(engine, cache, pending: torch.Tensor, sampling: SamplingParams, sched
     return (torch.stack(tokens, dim=1) if tokens else empty), logits
 
 
-def _commit(engine, live: list[Completion], steps: list[StepSample], dense: torch.Tensor, accepted: torch.Tensor,
+def _commit(engine, live: list[Completion], steps: StepSample, dense: torch.Tensor, accepted: torch.Tensor,
             alphas: torch.Tensor, start: torch.Tensor, sampling: SamplingParams, bar) -> None:
-    """Record, per row, the dense tokens at positions 0..accepted[row] (stopping where the sequence finishes)."""
+    """Record, per row, the dense tokens at positions 0..accepted[row] (stopping where the sequence finishes);
+    `steps` holds the dense draws at every position [rows, count+1, ...]."""
     count = alphas.shape[1]
     accepted_list, alpha_list = accepted.tolist(), alphas.tolist()
     for seq, took in zip(live, accepted_list):
         seq.verifies += 1
         seq.rejections += took < count
-    for j, step in enumerate(steps):
+    for j in range(steps.tokens.shape[1]):
         rows = [r for r, seq in enumerate(live) if j <= accepted_list[r] and not seq.finished]
         if not rows:
             break
         index = torch.tensor(rows, device=engine.device)
-        part = StepSample(*(t.index_select(0, index) for t in (step.tokens, step.logprobs, step.top_ids,
-                                                               step.top_logprobs, step.finite)))
+        part = StepSample(*(t[:, j].index_select(0, index) for t in (steps.tokens, steps.logprobs, steps.top_ids,
+                                                                     steps.top_logprobs, steps.finite)))
         subset = [live[r] for r in rows]
         engine.check_finite(part, dense[:, j].index_select(0, index), subset, sampling)
         engine.record(subset, part, (start + 1 + j).index_select(0, index), sampling)
