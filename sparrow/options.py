@@ -149,13 +149,16 @@ class ScheduledSparseSection(SparseSection):
 
     def validate(self) -> None:
         super().validate()
-        if self.rollout_mode not in ROLLOUT_MODES:
-            raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
-        check_draft_tokens(self.draft_tokens)
+        self.check_mode()
         self.parsed_schedule = DENSE if self.rollout_mode == "dense" else self.parse(self.schedule)
         if self.exact and self.parsed_schedule.is_dense:
             raise SparrowError("--rollout-mode exact drafts with a sparse schedule: give --schedule other than 'dense' "
                                "(a preset, const:N, ...)")
+
+    def check_mode(self) -> None:
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
+        check_draft_tokens(self.draft_tokens)
 
     @property
     def exact(self) -> bool:

@@ -24,7 +24,7 @@ from sparrow.options import (
     check_output,
     require_file,
 )
-from sparrow.schedules import Schedule
+from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
 
 from .distill import DistillConfig
@@ -47,6 +47,7 @@ class TrainSparseSection(ScheduledSparseSection):
 
     def validate(self) -> None:
         SparseSection.validate(self)  # the schedule may be `adaptive`: TrainConfig parses it
+        self.check_mode()
 
 
 @dataclass
@@ -70,8 +71,8 @@ class TrainRolloutSection(RolloutSection):
     wire_dtype: str | None = option(None, "dtype of the weights sent to Ray workers (bfloat16 halves the bytes; "
                                     "workers compute in --dtype)")
 
-    def validate(self, device: str) -> None:
-        super().validate(device)
+    def validate(self, device: str, sparse=None) -> None:
+        super().validate(device, sparse)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
 
@@ -238,6 +239,7 @@ class StepConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    draft_tokens: int | None = None  # exact mode: tokens the schedule drafts per dense verification
 
 
 @dataclass(frozen=True)
@@ -273,10 +275,18 @@ class TrainConfig:
         for part in (self.model, self.sparse, self.sampling, self.data, self.grpo, self.monitor, self.adaptive,
                      self.eval, self.run):
             part.validate()
-        self.rollout.validate(self.model.device)
+        self.rollout.validate(self.model.device, self.sparse)
         distill = self.distill
         adaptive = self.sparse.schedule == ADAPTIVE
         schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)
+        if self.sparse.rollout_mode == "dense":
+            if adaptive:
+                raise SparrowError("--rollout-mode dense decodes every rollout densely: schedule adaptive has nothing "
+                                   "to move; give one or the other")
+            schedule = DENSE
+        if self.sparse.exact and schedule.is_dense:
+            raise SparrowError("--rollout-mode exact drafts with a sparse schedule: give --schedule other than "
+                               "'dense' (a preset, const:N, adaptive, ...)")
         if adaptive and self.monitor.monitor != "exact":
             raise SparrowError("schedule adaptive moves budgets on the exact acceptance: it needs monitor exact, "
                                f"not {self.monitor.monitor!r}")
@@ -298,4 +308,4 @@ class TrainConfig:
 
     def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""
-        return StepConfig(self.grpo, self.sampling, self.monitor, self.parsed.sparse)
+        return StepConfig(self.grpo, self.sampling, self.monitor, self.parsed.sparse, self.sparse.draft)

@@ -294,6 +294,21 @@ def _bin_keys(runs: dict, prefix: str, suffix: str) -> list[str]:
     return sorted(keys, key=lambda k: int(k[len(prefix):].split("/")[0]))
 
 
+def _exact_rollouts(runs: dict[str, list[dict]]) -> list[str]:
+    """For runs in exact mode: tokens per dense verification and the share of tokens that were accepted drafts."""
+    exact = {name: rows for name, rows in runs.items() if any(_is_number(r.get("rollout/tokens_per_verify"))
+                                                              for r in rows)}
+    if not exact:
+        return []
+    lines = ["", "Exact mode (the sparse schedule drafts, the dense policy verifies; rollouts are the dense "
+             "policy's own samples, so TIS weights are 1): median per step.", "",
+             "| run | tokens per verification | drafted share of tokens |", "|---|---|---|"]
+    for name, rows in exact.items():
+        lines.append(f"| {name} | {_median(rows, 'rollout/tokens_per_verify'):.2f} | "
+                     f"{_median(rows, 'rollout/drafted_share'):.1%} |")
+    return lines
+
+
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     """report.md plus curves.png, mismatch.png, phases.png and reward-vs-rollout-time.png in `out_dir`; rollout
     speed is relative to the first run given (pass the dense-rollout run first to read sparse speedups)."""
@@ -331,6 +346,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x | "
                      f"{_ratio(_throughput(rows), base_throughput):.2f}x |")
     lines += _rollout_breakdown(runs)
+    lines += _exact_rollouts(runs)
     if evals:
         _plot_curves(evals, [("eval/mean", "held-out mean reward")], out_dir / "heldout.png", "Held-out reward")
         lines += _held_out(evals)

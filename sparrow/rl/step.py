@@ -113,8 +113,8 @@ def reward_check(backend: RolloutBackend, step: StepBatch, reward_fns: list, cfg
     of the rollout's num_generations), and scored by the same rewards. Runs before the rollout, so the backend's
     timing and stats stay the rollout's; its samples never reach the update."""
     every = cfg.monitor.reward_check_every
-    if not every or number < 1 or number % every or step.schedule.is_dense:
-        return
+    if not every or number < 1 or number % every or step.schedule.is_dense or cfg.draft_tokens:
+        return  # dense rollouts, and exact mode's (the dense policy's own tokens), have nothing to check
     examples = step.examples[:cfg.monitor.reward_check_prompts]
     with _Clock(step, "reward_check"):
         dense = backend.generate([ex.prompt for ex in examples], cfg.sampling.params(seed), DENSE,
@@ -129,8 +129,9 @@ def check_samples(cfg: StepConfig) -> int:
 
 def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
     with _Clock(step, "rollout"):
+        exact = {"draft_tokens": cfg.draft_tokens} if cfg.draft_tokens else {}
         step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
-                                            step.schedule, cfg.grpo.num_generations)
+                                            step.schedule, cfg.grpo.num_generations, **exact)
     for phase, seconds in getattr(backend, "timing", {}).items():
         step.timing[f"time/rollout_{phase}_s"] = seconds
 
@@ -179,7 +180,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
         found = torch.zeros(*valid.shape, 2, device=valid.device)
         found[valid] = torch.stack([low, high], dim=-1)
         bounds[piece.tolist(), span] = found
-        if monitored and int(piece[0]) in monitored:
+        if monitored and int(piece[0]) in monitored and not cfg.draft_tokens:
             began = time.perf_counter()
             exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
                                             dense_logits=logits)
@@ -189,6 +190,9 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
             monitor_s += time.perf_counter() - began
     valid = batch.mask.bool()
     step.logp_old, step.bounds = logp_old, bounds[valid]
+    if cfg.draft_tokens:  # exact mode: every drafted token's alpha was recorded while decoding, in every row
+        exact = free_monitor(step.completions, batch.mask)
+        monitored = set(range(len(step.completions)))
     if monitored:
         measured = valid & ~exact.isnan()
         step.exact, step.exact_at = exact[measured], batch.positions[measured]
@@ -204,6 +208,16 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
                 step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, temperature)
     step.weights = tis_weights(logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
     step.timing["time/recompute_s"] = time.perf_counter() - clock - monitor_s
+
+
+def free_monitor(completions, mask: torch.Tensor) -> torch.Tensor:
+    """Exact mode's monitor [N, T]: the acceptance each drafted token's distribution had against the dense one
+    (recorded while decoding, `Completion.draft_acceptance`) at its place in the batch; NaN where none was drafted."""
+    alpha = torch.full(mask.shape, float("nan"), device=mask.device)
+    for row, completion in enumerate(completions):
+        values = torch.tensor([float("nan") if a is None else a for a in completion.draft_acceptance])
+        alpha[row, mask[row].bool()] = values.to(mask.device)
+    return alpha
 
 
 def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) -> None:

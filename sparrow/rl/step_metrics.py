@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sparrow.engine.exact import exact_summary
 from sparrow.measure.retention import reward_retention
 from sparrow.measure.tail import bin_tails, tail_stats
 
@@ -96,6 +97,16 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
     return counts
 
 
+def exact_rollout_metrics(completions) -> dict:
+    """Exact mode's rollout: tokens per dense verification and the share of tokens that were accepted drafts
+    (nothing for other modes)."""
+    if not any(c.verifies for c in completions):
+        return {}
+    summary = exact_summary(completions)
+    return {"rollout/tokens_per_verify": summary["tokens_per_verify"],
+            "rollout/drafted_share": summary["drafted_share"]}
+
+
 def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
     """The step's metrics: plain floats with TRL/verl-style names, plus the lists `mismatch/warnings`,
     `rewards/failures`, `reward/per_prompt` and `prompts/length` (each group's mean reward and prompt length, for
@@ -138,6 +149,7 @@ def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
                              for name, rows in records.items() for i, row in enumerate(rows)
                              if row["status"] != "ok"][:8],
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
+        **exact_rollout_metrics(completions),
         "rollout/tokens_per_s": float(lengths.sum()) / step.timing["time/rollout_s"],
         **step.timing,
         **mismatch,

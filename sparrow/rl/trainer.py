@@ -115,6 +115,10 @@ def _train(config: TrainConfig, log) -> list[dict]:
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
     _check_reward_functions(config.parsed.rewards, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
+    if config.sparse.exact:
+        log(f"exact mode: {config.sparse.schedule} drafts {config.sparse.draft_tokens} tokens per dense verification; "
+            f"rollouts are the dense policy's own samples, so the TIS weights ({config.grpo.tis_mode}) are 1 and "
+            "the reward check is off; the monitor reads each drafted token's acceptance (no teacher-forced pass)")
     try:
         controller = _controller(config, policy, backend, examples, probes, tokenizer)
         adapter_optimizer = policy.distiller.optimizer if policy.distiller else None

@@ -247,3 +247,38 @@ def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SparrowError, match="needs monitor exact"):
         _config(data, tmp_path / "x", schedule="adaptive", monitor="bounds").validate()
+
+
+def test_exact_mode_trains_on_dense_samples_monitors_for_free_and_resumes(data, tmp_path):
+    """Exact rollouts are the dense policy's own: the same rewards, losses and weights as dense rollouts with the
+    same seed (to float rounding), every drafted token's acceptance logged with no teacher-forced pass."""
+    logs = []
+    exact = train(_config(data, tmp_path / "exact", rollout_mode="exact", draft_tokens=3, monitor="exact"),
+                  log=logs.append)
+    dense = train(_config(data, tmp_path / "dense", schedule="dense"), log=lambda *_: None)
+    assert [h["reward/mean"] for h in exact] == [h["reward/mean"] for h in dense]
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(exact, dense))
+    a, b = _weights(tmp_path / "exact" / "checkpoint-2"), _weights(tmp_path / "dense" / "checkpoint-2")
+    assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+    for row in exact:
+        assert 1 <= row["rollout/tokens_per_verify"] <= 4 and 0 < row["rollout/drafted_share"] < 1
+        assert 0 < row["mismatch/exact/p5"] <= row["mismatch/exact/mean"] <= 1
+        assert row["time/monitor_s"] == 0  # recorded while decoding
+        assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+    assert any("exact mode" in line and "are 1" in line for line in logs)
+
+    split = tmp_path / "split"
+    train(_config(data, split, steps=1, rollout_mode="exact", draft_tokens=3), log=lambda *_: None)
+    train(_config(data, split, steps=2, resume=True, rollout_mode="exact", draft_tokens=3), log=lambda *_: None)
+    c = _weights(split / "checkpoint-2")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout_mode": "exact", "schedule": "dense"}, "drafts with a sparse schedule"),
+    ({"rollout_mode": "dense", "schedule": "adaptive", "monitor": "exact"}, "has nothing to move"),
+    ({"rollout_mode": "exact", "draft_tokens": 0}, r"draft_tokens must be an integer in \[1, 64\]"),
+])
+def test_bad_rollout_modes_are_refused_up_front(data, tmp_path, overrides, message):
+    with pytest.raises(SparrowError, match=message):
+        _config(data, tmp_path / "run", **overrides).validate()
