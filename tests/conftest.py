@@ -38,9 +38,10 @@ def random_prompts(lengths, vocab=250, seed=0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def save_tiny_for_vllm(path, architecture: str = "llama"):
+def save_tiny_for_vllm(path, architecture: str = "llama", tied: bool = False):
     """A tiny random Llama or Qwen3 with head size 32 (vLLM's CPU backend refuses our usual 16) and the byte-level
-    chat tokenizer, saved as a Hugging Face directory at `path`."""
+    chat tokenizer, saved as a Hugging Face directory at `path`; `tied`: the LM head is the token embedding (as in
+    SmolLM2)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     from sparrow.models import tiny_tokenizer
@@ -48,7 +49,7 @@ def save_tiny_for_vllm(path, architecture: str = "llama"):
     tok = tiny_tokenizer()
     shape = {"vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "max_position_embeddings": 4096,
-             "tie_word_embeddings": False, "initializer_range": 0.1, "eos_token_id": tok.eos_token_id,
+             "tie_word_embeddings": tied, "initializer_range": 0.1, "eos_token_id": tok.eos_token_id,
              "pad_token_id": tok.pad_token_id, "bos_token_id": None}
     config = (LlamaConfig if architecture == "llama" else Qwen3Config)(**shape)
     with torch.random.fork_rng(devices=[]):

@@ -7,7 +7,8 @@
    vLLM's CPU build repacks linear weights after loading (for its GEMM kernels), and `load_weights` into the
    repacked layers fails, so the weights go through vLLM's `reload_weights`, which loads and repacks again, with
    the weights given (TRL's PEFT merge and name fixes kept: `_iter_named_params`). The prefix cache is reset as
-   TRL does.
+   TRL does. TRL names a tied weight once (`named_parameters()`); it is sent under all its names
+   (sparrow/vllm/weights.py), else vLLM's LM head, tied to the embedding, keeps its old packed weights on CPU.
 """
 
 from __future__ import annotations
@@ -23,12 +24,23 @@ def float32_eager_engine() -> None:
         vllm_generation.LLM = functools.partial(vllm.LLM, dtype="float32", enforce_eager=True)
 
 
+def trl_vllm_name(generation, name: str) -> str:
+    """The name TRL 1.16's `_iter_named_params` sends for the parameter `name` of its model (PEFT's prefixes off,
+    then `_fix_param_name_to_vllm`); the PEFT fixes leave a plain model's names unchanged."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+    return generation._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."])
+
+
 def reload_weight_sync() -> None:
     from trl.generation import vllm_generation
 
+    from sparrow.vllm.weights import reload, tied_aliases, with_tied_aliases
+
     def sync_weights(self) -> None:
+        aliases = tied_aliases(self.model.named_parameters(remove_duplicate=False),
+                               functools.partial(trl_vllm_name, self))
         weights = ((name, param.float()) for name, param in self._iter_named_params())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        reload(self.llm, with_tied_aliases(weights, aliases))
         self.llm.reset_prefix_cache()
 
     vllm_generation.VLLMGeneration.sync_weights = sync_weights

@@ -9,7 +9,9 @@
 - The KV budget per token is the schedule's at the token's cached length, as the engine records it; the plugin
   applies the same rule (sparrow/vllm/cpu_attention.py).
 - `sync_weights` reloads the policy's weights into the running engine (`reload_weights` through
-  collective_rpc; on CPU vLLM repacks linear weights, so loading them in place fails).
+  collective_rpc; on CPU vLLM repacks linear weights, so loading them in place fails), tied weights under all
+  their names (sparrow/vllm/weights.py), and empties the prefix cache: its blocks hold KV computed with the old
+  weights, which a later prompt sharing a block-long prefix would reuse.
 - DistillSparse's adapter must act in the sparse actor only; with vLLM that is not built (see README), so a model
   spec with an adapter is refused.
 """
@@ -198,11 +200,15 @@ class VLLMBackend:
 
     def sync_weights(self, model) -> None:
         from sparrow.attention.interface import base_model
+        from sparrow.vllm.weights import reload
 
+        # a state dict names a tied weight under each of its names (the LM head too: sparrow/vllm/weights.py)
         state = base_model(model).state_dict()
         dtype = getattr(torch, self.dtype)
-        weights = ((name, tensor.detach().to(dtype)) for name, tensor in state.items())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        reload(self.llm, ((name, tensor.detach().to(dtype)) for name, tensor in state.items()))
+        if not self.llm.reset_prefix_cache():
+            raise SparrowError("sync_weights: vLLM could not empty its prefix cache (requests still running), so "
+                               "cached prompts would keep KV computed with the old weights")
 
     def close(self) -> None:
         self.llm = None
