@@ -23,7 +23,9 @@ class DecodeStep:
 
     total: cached tokens per row including the new one; n_pages: pages holding them; budget_pages: per-row
     budget (None = dense); sparse: whether any row attends to fewer pages than it has; write_index: the flat
-    slot of the new token per (row, kv head); filled / filled_pages: rows whose page the new token completes.
+    slot of the new token per (row, kv head); filled / filled_pages: rows whose page the new token completes;
+    used_pages / selected: the most pages any row holds / attends (read from the device once per step, not per
+    layer: on a GPU each read waits for the device).
     """
 
     total: torch.Tensor
@@ -34,6 +36,8 @@ class DecodeStep:
     filled: torch.Tensor
     filled_pages: torch.Tensor
     dense_mask: torch.Tensor
+    used_pages: int
+    selected: int
 
 
 @dataclass
@@ -95,11 +99,12 @@ class KVCache:
         row_head = torch.arange(self.rows * kv_heads, device=total.device).view(self.rows, kv_heads)
         write_index = (row_head * self.capacity + self.lengths[:, None]).flatten()
         filled = torch.nonzero(total % ps == 0).flatten()
-        span = int(total.max())
+        chosen = n_pages if budget_pages is None else torch.minimum(budget_pages, n_pages)
+        span, used, selected, sparse = torch.stack(  # one device read
+            [total.max(), n_pages.max(), chosen.max(), (chosen < n_pages).any().long()]).tolist()
         dense_mask = (torch.arange(span, device=total.device) < total[:, None]).view(self.rows, 1, 1, span)
-        sparse = budget_pages is not None and bool((budget_pages < n_pages).any())
-        return DecodeStep(total, n_pages, budget_pages, sparse, write_index, filled, n_pages[filled] - 1,
-                          dense_mask)
+        return DecodeStep(total, n_pages, budget_pages, bool(sparse), write_index, filled, n_pages[filled] - 1,
+                          dense_mask, used, selected)
 
     def write_token(self, layer: int, key: torch.Tensor, value: torch.Tensor, step: DecodeStep) -> None:
         """Write each row's new key/value [rows, Hkv, D] at slot `lengths[row]`; finish landmarks of filled pages."""
