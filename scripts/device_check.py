@@ -157,6 +157,34 @@ def attention_checks(device: torch.device) -> None:
         failed(name, err)
 
 
+def exact_checks(device: torch.device) -> None:
+    """Exact mode on the device: its tokens equal dense sampling's; a dense span step equals one-token steps."""
+    model, tok = load_model("tiny-qwen3", device=device)
+    engine = RolloutEngine(model, tok, SparseConfig())
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (150, 90, 201, 64)]
+    sampling = SamplingParams(max_new_tokens=48, seed=5, temperature=1.0)
+    for k in (1, 4, 8):
+        name = f"exact mode K={k} vs dense sampling: sequences that differ"
+        try:
+            dense = engine.generate(prompts, sampling, DENSE, num_samples=2)
+            exact = engine.generate(prompts, sampling, const(48), num_samples=2, draft_tokens=k)
+            check(name, sum(a.token_ids != b.token_ids for a, b in zip(dense, exact)), 0)
+        except Exception as err:  # noqa: BLE001
+            failed(name, err)
+    name = "dense span step (6 tokens) vs one-token steps: max |logit difference|"
+    try:
+        caches = [engine.new_cache(len(prompts), 300) for _ in range(2)]
+        for cache in caches:
+            for row, prompt in enumerate(prompts):
+                engine.prefill(cache, prompt, torch.tensor([row], device=device))
+        span = torch.randint(3, 250, (len(prompts), 6), generator=gen).to(device)
+        one = torch.stack([engine.decode_step(caches[0], span[:, j], DENSE)[0] for j in range(6)], 1)
+        check(name, float((engine.span_step(caches[1], span) - one).abs().max()), 1e-3)
+    except Exception as err:  # noqa: BLE001
+        failed(name, err)
+
+
 def training_checks(device: torch.device, out: Path) -> None:
     for name in ("tiny", "tiny-distill"):
         label = f"{name}.yaml on {device}: steps missing"
@@ -223,6 +251,9 @@ def bench_runs(args, device: torch.device, start: float) -> None:
                    "--model", model, "--device", str(device), "--dtype", dtype, "--context", str(context),
                    "--batch", str(batch), "--schedule", args.bench_schedule, "--steps", str(args.bench_steps),
                    "--repeats", str(args.bench_repeats), "--json"]
+        if args.bench_exact:
+            label += f", exact mode K={args.bench_exact}"
+            command += ["--rollout-mode", "exact", "--draft-tokens", str(args.bench_exact)]
         clock = time.perf_counter()
         try:
             run = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
@@ -243,7 +274,15 @@ def bench_runs(args, device: torch.device, start: float) -> None:
         result["random_weights"] = random_weights
         result["seconds"] = seconds
         RESULTS.append({"bench": result})
-        hf, dense, sparse = result["hf_tokens_per_s"], result["dense_tokens_per_s"], result["sparse_tokens_per_s"]
+        dense, sparse = result["dense_tokens_per_s"], result["sparse_tokens_per_s"]
+        if args.bench_exact:
+            print(f"{label}: dense {dense:.0f} tok/s, sparse {sparse:.0f}, exact {result['exact_tokens_per_s']:.0f} "
+                  f"(exact/dense {result['exact_over_dense']:.2f}x, {result['tokens_per_verify']:.2f} tokens per "
+                  f"verification, {result['identical_sequences']}/{result['sequences']} identical to dense, "
+                  f"{seconds:.0f} s in all)" + ("  [random weights]" if random_weights else ""), flush=True)
+            save()
+            continue
+        hf = result["hf_tokens_per_s"]
         print(f"{label}: dense {dense:.0f} tok/s ({1000 * batch / dense:.2f} ms/step), sparse {sparse:.0f} "
               f"({1000 * batch / sparse:.2f} ms/step), sparse/dense {result['sparse_over_dense']:.2f}x, transformers "
               f"{hf:.0f} tok/s, prefill {result['prefill_s']:.2f} s ({seconds:.0f} s in all)"
@@ -271,6 +310,8 @@ def main() -> int:
     parser.add_argument("--bench-steps", type=int, default=32, help="timed decode steps per repeat")
     parser.add_argument("--bench-repeats", type=int, default=3, help="timed repeats (median reported)")
     parser.add_argument("--bench-timeout", type=float, default=600, help="seconds allowed to one benchmark run")
+    parser.add_argument("--bench-exact", type=int, default=0, metavar="K",
+                        help="benchmark exact mode (K drafted tokens per verification) on real text instead")
     parser.add_argument("--deadline", type=float, default=0,
                         help="seconds after start past which no further benchmark run starts (0: none)")
     args = parser.parse_args()
@@ -289,6 +330,10 @@ def main() -> int:
             attention_checks(device)
         except Exception as err:  # noqa: BLE001 - loading the tiny model or building the engine
             failed("attention checks: setup", err)
+        try:
+            exact_checks(device)
+        except Exception as err:  # noqa: BLE001
+            failed("exact checks: setup", err)
         print(f"      attention checks: {time.perf_counter() - clock:.1f} s", flush=True)
         training_checks(device, OUT)
     if not args.no_bench:
