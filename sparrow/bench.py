@@ -225,12 +225,12 @@ class ExactBenchResult:
 
 def task_prompt(tokenizer, context: int, seed: int) -> list[int]:
     """Real text of `context` tokens for decoding: a manifest-task prompt with 64 codes (its answers are long),
-    fitted to about the length and cut to its last `context` tokens (the instruction and the answer's start
+    fitted to at least that length and cut to its last `context` tokens (the instruction and the answer's start
     stay)."""
     from sparrow.engine import encode_prompt
     from sparrow.tasks.manifest import make_prompts
 
-    example = make_prompts(1, max(64, int(context * 0.8)), seed, tokenizer, codes=64)[0]
+    example = make_prompts(1, max(64, context), seed, tokenizer, codes=64)[0]
     ids = encode_prompt(tokenizer, example["prompt"])
     if len(ids) < context:
         raise SparrowError(f"the manifest prompt came out at {len(ids)} tokens, below --context {context}")

@@ -74,15 +74,19 @@ def decode_attention(query, key, value, cache: KVCache, layer: int, step: Decode
 
 def span_attention(query, key, value, cache: KVCache, layer: int, step: SpanStep, scaling: float):
     """Dense attention of S new tokens per row, query/key/value [B, H, S, D]: their keys/values are written at each
-    row's length, then token s attends to the row's cache up to itself. One pass over the cache for all S tokens."""
-    batch, _, span, dim = query.shape
+    row's length, then token s attends to the row's cache up to itself. The G query heads of a KV head run as G * S
+    queries against that head's keys (no copy of the cache per query head), one pass over the cache for them all."""
+    batch, q_heads, span, dim = query.shape
     kv_heads = key.shape[1]
+    group = q_heads // kv_heads
     cache.write_span(layer, key, value, step)
     width = step.mask.shape[-1]
     keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
     values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
-    out = attend(query, keys, values, attn_mask=step.mask, scale=scaling)
-    return out.transpose(1, 2)
+    queries = query.reshape(batch, kv_heads, group * span, dim)  # head h = kv * G + g: rows g * S + s
+    mask = step.mask.repeat(1, 1, group, 1)  # [B, 1, G * S, width]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(batch, q_heads, span, dim).transpose(1, 2)
 
 
 def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig,

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, equal_cost_constant, hardware, paper_cost
+from sparrow.measure.cost_model import (
+    MAX_LENGTH,
+    best_draft_tokens,
+    check_trajectory,
+    compare,
+    equal_cost_constant,
+    exact_decode,
+    hardware,
+    paper_cost,
+)
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule, parse_schedule
-from sparrow.typed_config import option
+from sparrow.typed_config import check_finite, check_int, option
 
 from .config import add_config_options, load_config
 
@@ -47,6 +57,10 @@ class CostConfig:
     landmark: str = option("centroid", "page landmark: " + " or ".join(LANDMARKS))
     kv_bytes: float = option(2, "bytes per cached K/V element")
     param_bytes: float = option(2, "bytes per weight")
+    acceptance: float | None = option(None, "exact mode: the per-token acceptance of the schedule's drafts (a "
+                                            "profile's mean alpha, or bench's coupled acceptance); adds exact "
+                                            "mode's predicted decode speedup")
+    draft_tokens: int = option(0, "exact mode: tokens drafted per dense verification (0: the best of 1-16)")
     json: bool = option(False, "print one JSON object")
 
     def validate(self) -> None:
@@ -58,6 +72,12 @@ class CostConfig:
         self.page_size_list()
         self.prompt_len_list()
         self.hw()
+        if self.acceptance is not None:
+            check_finite("acceptance", self.acceptance, 0, 1)
+        check_int("draft_tokens", self.draft_tokens, 0)
+        if self.draft_tokens and self.acceptance is None:
+            raise SparrowError("--draft-tokens prices exact mode, which needs --acceptance (the drafts' per-token "
+                               "acceptance, e.g. a profile's mean alpha)")
 
     def parsed_schedule(self) -> Schedule:
         return parse_schedule(self.schedule, self.page_size, SparseConfig().always_kept_pages)
@@ -120,6 +140,11 @@ def evaluate(config: CostConfig) -> dict:
         budget, ratio = equal_cost_constant(dims, hw, schedule, lengths, config.gen_len, config.samples,
                                             page_size=config.page_size, **options)
         result["equal_cost_constant"] = {"budget": budget, "cost_ratio": ratio, "prompt_lens": lengths}
+    if config.acceptance is not None:
+        price = (functools.partial(exact_decode, draft_tokens=config.draft_tokens) if config.draft_tokens
+                 else best_draft_tokens)
+        exact = price(*trajectory, acceptance=config.acceptance, page_size=config.page_size, **options)
+        result["exact"] = {"draft_tokens": config.draft_tokens, **exact}
     final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
     paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, config.page_size)
     return {
@@ -160,6 +185,11 @@ def _print(report: dict) -> None:
     for line in _table(("", "cost (equivalent FLOPs)", "attention share"), rows):
         print(line)
     print(f"predicted speedup: {report['predicted_speedup']:.2f}x")
+    if "exact" in report:
+        exact = report["exact"]
+        print(f"exact mode (acceptance {exact.get('acceptance', 0):g}): K = {exact['draft_tokens']} drafted tokens, "
+              f"{exact['tokens_per_verify']:.2f} tokens per verification, decode {exact['exact_over_dense']:.2f}x "
+              f"dense (sparse decode {exact['sparse_over_dense']:.2f}x)")
     paper = report["paper"]
     print(f"paper formula (constant budget {paper['budget']} tokens): speedup {paper['speedup']:.2f}x")
     if "equal_cost_constant" in report:

@@ -330,3 +330,46 @@ def paper_cost(dims: ModelDims, hw: Hardware, budget: int, prompt_len: int, gen_
                + 2 * I * L_in * D * L_out + I * N * D * L_out ** 2 / (2 * ps))
     sparse = without_scoring + scoring
     return {"dense": dense, "sparse": sparse, "speedup": dense / sparse}
+
+
+def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
+    """Expected tokens one exact-mode round commits when each draft is accepted with probability `acceptance`
+    independently: the accepted drafts plus the dense token the verification adds, sum_{i=0..K} a^i."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise SparrowError(f"acceptance must be in [0, 1], got {acceptance!r}")
+    check_int("draft_tokens", draft_tokens, 1)
+    return float(sum(acceptance**i for i in range(draft_tokens + 1)))
+
+
+def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
+                 acceptance: float, draft_tokens: int, page_size: int = 16, dense_layers: int = 2,
+                 landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> dict:
+    """Predicted decode cost of exact mode against dense decode over one trajectory.
+
+    A round drafts K tokens with `schedule` (K sparse decode steps) and verifies them with one dense span step of
+    K+1 tokens per sequence: the weights and each sequence's K/V are read once, the projection and attention FLOPs
+    are paid for every token. A round commits `tokens_per_verify(acceptance, K)` tokens on average, so the
+    trajectory takes gen_len / E rounds. The per-step sums of the trajectory (sparse and dense decode) price the
+    K drafts and the verification at the lengths they run at; `acceptance` is the coupled acceptance (a profile's
+    mean alpha is its upper bound)."""
+    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
+               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options).decode
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options).decode
+    span = draft_tokens + 1
+    verify = _cost(hw.intensity, weight_bytes=dense.weight_bytes, kv_bytes=dense.kv_bytes, landmark_bytes=0,
+                   proj_flops=span * dense.proj_flops, attn_flops=span * dense.attn_flops, score_flops=0)
+    per_round = tokens_per_verify(acceptance, draft_tokens)
+    exact_cost = (draft_tokens * sparse.cost + verify.cost) / per_round
+    return {"acceptance": acceptance, "dense_decode_cost": dense.cost, "sparse_decode_cost": sparse.cost, "exact_decode_cost": exact_cost,
+            "tokens_per_verify": per_round, "sparse_over_dense": dense.cost / sparse.cost,
+            "exact_over_dense": dense.cost / exact_cost}
+
+
+def best_draft_tokens(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int,
+                      samples: int, acceptance: float, max_draft_tokens: int = 16, **options) -> dict:
+    """`exact_decode` at the draft length K in 1..max_draft_tokens that maximises the predicted speedup."""
+    check_int("max_draft_tokens", max_draft_tokens, 1)
+    runs = [{"draft_tokens": k, **exact_decode(dims, hw, schedule, prompt_len, gen_len, samples, acceptance, k,
+                                               **options)} for k in range(1, max_draft_tokens + 1)]
+    return max(runs, key=lambda run: run["exact_over_dense"])

@@ -14,12 +14,15 @@ from sparrow.measure.cost_model import (
     HARDWARE,
     Hardware,
     ModelDims,
+    best_draft_tokens,
     compare,
     equal_cost_constant,
+    exact_decode,
     hardware,
     paper_cost,
     prefill_cost,
     step_cost,
+    tokens_per_verify,
     trajectory_cost,
 )
 from sparrow.model_shapes import SMOLLM2_135M, model_config, model_dims
@@ -277,3 +280,35 @@ def test_the_equal_cost_constant_matches_a_growing_schedule_over_mixed_lengths(c
     code, out, _ = _run(["--schedule", "0:1024,4096:2048", "--prompt-lens", "1000,3000,5000,7000", "--gen-len",
                          "300", "--json"], capsys)
     assert code == 0 and json.loads(out)["equal_cost_constant"]["budget"] == budget
+
+
+def test_exact_mode_rounds_commit_the_geometric_sum_of_acceptances():
+    assert tokens_per_verify(1.0, 4) == 5 and tokens_per_verify(0.0, 4) == 1
+    assert tokens_per_verify(0.5, 2) == pytest.approx(1.75)
+    with pytest.raises(SparrowError, match="acceptance must be in"):
+        tokens_per_verify(1.2, 2)
+
+
+def test_exact_decode_prices_k_drafts_and_one_span_verification():
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    args = (dims, hw, const(1024), 8000, 512, 8)
+    sparse = trajectory_cost(dims, hw, const(1024), 8000, 512, 8).decode
+    dense = trajectory_cost(dims, hw, DENSE, 8000, 512, 8).decode
+    perfect = exact_decode(*args, acceptance=1.0, draft_tokens=4)
+    # the span step reads weights and K/V once but pays every token's FLOPs
+    verify = dense.cost + 4 * (dense.proj_flops + dense.attn_flops)
+    assert perfect["exact_decode_cost"] == pytest.approx((4 * sparse.cost + verify) / 5)
+    assert perfect["exact_over_dense"] < perfect["sparse_over_dense"]  # never faster than pure sparse decode
+    assert exact_decode(*args, acceptance=0.0, draft_tokens=4)["exact_over_dense"] < 1  # every draft wasted
+    best = best_draft_tokens(*args, acceptance=0.9)
+    assert all(exact_decode(*args, acceptance=0.9, draft_tokens=k)["exact_over_dense"] <= best["exact_over_dense"]
+               for k in range(1, 17))
+
+
+def test_cost_command_prices_exact_mode(capsys):
+    assert main(["cost", "--schedule", "const:1024", "--prompt-len", "8000", "--gen-len", "512", "--acceptance",
+                 "0.95", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert 1 <= report["exact"]["draft_tokens"] <= 16 and report["exact"]["exact_over_dense"] > 1
+    assert main(["cost", "--schedule", "const:1024", "--draft-tokens", "4"]) == 2
+    assert "needs --acceptance" in capsys.readouterr().err
