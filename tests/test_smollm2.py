@@ -54,3 +54,21 @@ def test_aggressive_budget_on_a_long_prompt_changes_the_logits():
     decoded = torch.log_softmax(sparse[len(prompt) - 1: -1].float(), -1)
     got = decoded.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
     assert (got - torch.tensor(out.logprobs)).abs().max() < 1e-3
+
+
+def test_exact_mode_returns_dense_samplings_tokens_on_long_prompts():
+    """4 manifest prompts of ~3.5K tokens x 4 samples x 128 tokens at temperature 1: exact mode (const:1024
+    drafting 4 tokens) gives dense sampling's tokens; the drafts are mostly accepted."""
+    from sparrow.engine.exact import exact_summary
+    from sparrow.tasks.manifest import make_prompts
+
+    model, tok = smollm2()
+    engine = RolloutEngine(model, tok, max_batch_size=16)
+    prompts = [ex["prompt"] for ex in make_prompts(4, 3000, 0, tok)]
+    sampling = SamplingParams(max_new_tokens=128, temperature=1.0, seed=11)
+    dense = engine.generate(prompts, sampling, DENSE, num_samples=4)
+    exact = engine.generate(prompts, sampling, const(1024), num_samples=4, draft_tokens=4)
+    differ = [(c.prompt_index, c.sample_index) for c, d in zip(exact, dense) if c.token_ids != d.token_ids]
+    assert not differ, f"exact mode left dense sampling at {differ} (a boundary flip would show here)"
+    summary = exact_summary(exact)
+    assert summary["tokens_per_verify"] > 3 and summary["coupled_acceptance"] > 0.85

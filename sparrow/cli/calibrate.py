@@ -5,12 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
-from sparrow.measure.calibration import calibrate, eligible_schedules, profile_retention, retention_floor
+from sparrow.measure.calibration import (
+    always_kept_pages,
+    calibrate,
+    eligible_schedules,
+    exact_candidates,
+    profile_retention,
+    retention_floor,
+)
 from sparrow.measure.cost_model import compare, hardware
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
 from sparrow.options import check_output, require_file
-from sparrow.schedules import write_schedule_json
+from sparrow.schedules import parse_schedule, write_schedule_json
 from sparrow.typed_config import option
 
 from .config import add_config_options, load_config
@@ -28,6 +35,8 @@ class CalibrateConfig:
     peak_flops: float | None = option(None, "peak FLOP/s (required for cpu)")
     bandwidth: float | None = option(None, "memory bandwidth in bytes/s (required for cpu)")
     samples: int = option(8, "samples per prompt assumed by the predicted speedup")
+    rollout_mode: str = option("sparse", "sparse: the cheapest schedule holding tau; exact: the schedule and draft "
+                               "length the cost model predicts fastest in exact mode (the budget then sets speed only)")
     min_retention: float | None = option(None, "least reward retention (sparse mean reward / dense, from 'sparrow "
                                                "profile --reward') a schedule must keep to be a candidate; every bin "
                                                "gets at least the cheapest such one's budget")
@@ -40,6 +49,11 @@ class CalibrateConfig:
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
         hardware(self.hardware, self.peak_flops, self.bandwidth)
+        if self.rollout_mode not in ("sparse", "exact"):
+            raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
+        if self.rollout_mode == "exact" and self.min_retention is not None:
+            raise SparrowError("--min-retention guards sparse rollouts' reward; exact mode keeps the dense reward, "
+                               "so it takes no --min-retention")
 
 
 def print_candidates(profile: dict, min_retention: float, page_size: int) -> None:
@@ -55,11 +69,35 @@ def print_candidates(profile: dict, min_retention: float, page_size: int) -> Non
           "cheapest eligible schedule")
 
 
+def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
+    """Exact mode: every profiled schedule's predicted speed with its best draft length; the fastest is written."""
+    meta = profile.get("meta", {})
+    if "model" not in meta:
+        raise SparrowError(f"{config.profile} names no model: the cost model needs its shape")
+    hw = hardware(config.hardware, config.peak_flops, config.bandwidth)
+    rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples, page_size)
+    print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha in the profile, an estimate "
+          "of the coupled acceptance):")
+    print(f"{'schedule':<22} {'alpha':>6} {'K':>3} {'tokens/verify':>14} {'exact/dense':>12} {'sparse/dense':>13}")
+    for row in rows:
+        print(f"{row['schedule']:<22} {row['acceptance']:>6.3f} {row['draft_tokens']:>3} "
+              f"{row['tokens_per_verify']:>14.2f} {row['exact_over_dense']:>11.2f}x {row['sparse_over_dense']:>12.2f}x")
+    best = rows[0]
+    entry = profile["schedules"][best["schedule"]]
+    schedule = parse_schedule(entry["spec"], page_size, always_kept_pages(meta))
+    write_schedule_json(schedule, config.out, page_size)
+    print(f"fastest: {best['schedule']} with --draft-tokens {best['draft_tokens']}; wrote {config.out} "
+          f"(use: --rollout-mode exact --schedule {config.out} --draft-tokens {best['draft_tokens']})")
+    return 0
+
+
 def run(args) -> int:
     config = load_config(CalibrateConfig, args)
     profile = read_profile(config.profile)
     meta = profile.get("meta", {})
     page_size = meta.get("sparse", {}).get("page_size", 16)
+    if config.rollout_mode == "exact":
+        return run_exact(config, profile, page_size)
     schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size,
                                   config.min_retention)
     if config.min_retention is not None:

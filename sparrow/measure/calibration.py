@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import best_draft_tokens
 from sparrow.measure.retention import Retention
-from sparrow.schedules import Schedule
+from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import short_repr
 
 
@@ -213,3 +214,24 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     schedule = Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values))
     schedule.validate(page_size, kept)  # what every --schedule option will check: refused here, not there
     return schedule, choices
+
+
+def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16, max_draft_tokens: int = 16) -> list[dict]:
+    """Exact mode's predicted decode speedup for every profiled schedule, best first: each schedule's mean
+    acceptance over the profile stands for its drafts' per-token acceptance, and the cost model picks the draft
+    length (`cost_model.best_draft_tokens`) at the profile's prompt and generation lengths. In exact mode the budget
+    only sets speed (rejected drafts cost time, never reward), so no tau applies."""
+    meta = profile.get("meta", {})
+    prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
+    gen_len = max(1, meta.get("sampling", {}).get("max_new_tokens", 1))
+    rows = []
+    for name, entry in profile["schedules"].items():
+        schedule = parse_schedule(entry["spec"], page_size, always_kept_pages(meta))
+        if schedule.is_dense:
+            continue
+        best = best_draft_tokens(dims, hw, schedule, prompt_len, gen_len, samples, entry["overall"]["mean"],
+                                 max_draft_tokens, page_size=page_size)
+        rows.append({"schedule": name, **best})
+    if not rows:
+        raise SparrowError("the profile holds no sparse schedule to draft with")
+    return sorted(rows, key=lambda row: -row["exact_over_dense"])

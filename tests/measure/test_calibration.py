@@ -104,3 +104,32 @@ def test_the_shipped_reward_profile_calibrates_to_3072_tokens_for_a_retention_of
     assert calibrate(profile, 0.75, margin=0.02)[0].budgets == (1024,)
     assert calibrate(profile, 0.86)[0].budgets == (2048,)
     assert calibrate(profile, 0.75, margin=0.02, min_retention=0.9)[0].budgets == (3072,)
+
+
+def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_length(tmp_path, capsys):
+    from sparrow.cli import main
+    from sparrow.measure.calibration import exact_candidates
+    from sparrow.measure.cost_model import exact_decode, hardware
+    from sparrow.model_shapes import model_dims
+    from sparrow.schedules import parse_schedule
+
+    profile = json.loads(Path("examples/manifest-profile.json").read_text())
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    rows = exact_candidates(profile, dims, hw, samples=8)
+    assert len(rows) == len(profile["schedules"]) - ("dense" in profile["schedules"])
+    assert rows == sorted(rows, key=lambda r: -r["exact_over_dense"])
+    best = rows[0]
+    meta = profile["meta"]
+    again = exact_decode(dims, hw, parse_schedule(profile["schedules"][best["schedule"]]["spec"]),
+                         round(meta["prompt_tokens_mean"]), meta["sampling"]["max_new_tokens"], 8,
+                         profile["schedules"][best["schedule"]]["overall"]["mean"], best["draft_tokens"])
+    assert again["exact_over_dense"] == pytest.approx(best["exact_over_dense"])
+    out = tmp_path / "exact.json"
+    assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"--draft-tokens {best['draft_tokens']}" in printed
+    assert parse_schedule(str(out)).budgets
+    assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
+                 "--min-retention", "0.9"]) == 2
+    assert "takes no --min-retention" in capsys.readouterr().err
