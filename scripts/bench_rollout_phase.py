@@ -3,7 +3,8 @@ measured alternately in one process so that every configuration sees the same ma
 
 Each prompt is rolled out `--samples` times per configuration, the configurations one after another per prompt
 (the training rollout: one group per call, `NativeBackend.generate`). A configuration is a schedule, with `+adapter`
-for the sparse actor with the LoRA adapter of `--adapter` on (DistillSparse); without it the adapter is off.
+for the sparse actor with the LoRA adapter of `--adapter` on (DistillSparse; without it the adapter is off) and
+`+exactK` for exact mode drafting K tokens per verification (the tokens are then dense's: `identical` counts them).
 
     .venv/bin/python scripts/bench_rollout_phase.py --prompts runs/bench/promise/train.jsonl --count 4 \
         --model CKPT --adapter CKPT/adapter --configs dense,0:1024+adapter,0:1024
@@ -44,34 +45,45 @@ def main() -> None:
     from sparrow.rollout import NativeBackend
     from sparrow.schedules import parse_schedule
 
-    configs = [(c.removesuffix("+adapter"), c.endswith("+adapter")) for c in args.configs.split(",")]
-    if any(on for _, on in configs) and not args.adapter:
+    def parse(config: str) -> tuple[str, bool, int | None]:
+        spec, *flags = config.split("+")
+        exact = [int(f.removeprefix("exact")) for f in flags if f.startswith("exact")]
+        return spec, "adapter" in flags, exact[0] if exact else None
+
+    configs = [parse(c) for c in args.configs.split(",")]
+    if any(on for _, on, _ in configs) and not args.adapter:
         raise SparrowError("a +adapter configuration needs --adapter DIR")
-    schedules = {spec: parse_schedule(spec) for spec, _ in configs}
+    schedules = {spec: parse_schedule(spec) for spec, _, _ in configs}
     reward_fns = [(args.reward, load_reward(args.reward), 1.0)] if args.reward else None
     model, tok = load_model(args.model)
     if args.adapter:
         model = load_adapter(model, args.adapter)
     backend = NativeBackend(model, tok)
     examples = load_examples(DataSpec(args.prompts))[: args.count]
-    totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "rewards": []}
+    totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "verify_s": 0.0, "rewards": []}
               for c in args.configs.split(",")}
     for i, ex in enumerate(examples):
-        for name, (spec, adapter) in zip(totals, configs, strict=True):
+        dense_tokens = None
+        for name, (spec, adapter, draft) in zip(totals, configs, strict=True):
             sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       seed=args.seed + i, num_logprobs=args.num_logprobs)
             began = time.perf_counter()
             with torch.no_grad():
-                out = backend.generate([ex.prompt], sampling, schedules[spec], args.samples, adapter=adapter)
+                out = backend.generate([ex.prompt], sampling, schedules[spec], args.samples, adapter=adapter,
+                                       draft_tokens=draft)
             seconds = time.perf_counter() - began
             tokens = sum(len(c.token_ids) for c in out)
             t = totals[name]
             t["tokens"] += tokens
             t["seconds"] += seconds
-            for phase in ("prefill", "decode"):
+            for phase in ("prefill", "decode", "verify"):
                 t[f"{phase}_s"] += backend.timing.get(phase, 0.0)
             row = {"prompt": i, "config": name, "tokens": tokens, "seconds": round(seconds, 2),
                    "tokens_per_s": round(tokens / seconds, 2)}
+            if spec == "dense" and not adapter and draft is None:
+                dense_tokens = [c.token_ids for c in out]
+            if draft is not None and dense_tokens is not None:
+                row["identical"] = sum(c.token_ids == d for c, d in zip(out, dense_tokens))
             if reward_fns:
                 rewards = score_examples(reward_fns, [ex], out).totals
                 t["rewards"] += rewards
@@ -82,6 +94,7 @@ def main() -> None:
         rate = t["tokens"] / t["seconds"]
         print(json.dumps({"config": name, "tokens": t["tokens"], "seconds": round(t["seconds"], 1),
                           "prefill_s": round(t["prefill_s"], 1), "decode_s": round(t["decode_s"], 1),
+                          "verify_s": round(t["verify_s"], 1),
                           "tokens_per_s": round(rate, 2),
                           "speedup": round(rate / (first["tokens"] / first["seconds"]), 3),
                           **({"mean_reward": round(sum(t["rewards"]) / len(t["rewards"]), 4)} if reward_fns else {})}))
