@@ -8,11 +8,15 @@ cheapest rung whose 5th percentile holds --tau; the plugin follows the schedule 
 next engine step. The task is Sparrow's passkey task, one prompt a step, scored by --reward (default
 `first_number`; any `sparrow train --reward` spec that scores text).
 
-    .venv/bin/python examples/trl_grpo_sparse.py --steps 10              # SmolLM2-135M, adaptive from dense
+    .venv/bin/python examples/trl_grpo_sparse.py          # quick: 2 steps, 4 completions, adaptive from the
+                                                          # calibrated schedule (sparse from step 1)
+    .venv/bin/python examples/trl_grpo_sparse.py --full   # 10 steps, 8 completions, adaptive from dense
     .venv/bin/python examples/trl_grpo_sparse.py --schedule 0:512,3584:1024   # the calibrated schedule, fixed
 
-It prints TRL's logged metrics, Sparrow's warnings and the number of sparse decode calls (one per sparse layer and
-decode step batch), one JSON object per line after "SPARROW_TRL".
+Any option given overrides the preset's value. It prints one line per step as it ends (reward, loss, the exact
+p5, the schedule in force, the sparse decode calls, the step's time and the monitor's share of it), then TRL's
+logged metrics, Sparrow's warnings and the number of sparse decode calls (one per sparse layer and decode step
+batch), one JSON object per line after "SPARROW_TRL".
 """
 
 from __future__ import annotations
@@ -25,25 +29,41 @@ import sys
 from sparrow.errors import SparrowError
 
 
+# The presets' values of the options they set; an option given on the command line wins.
+QUICK = {"steps": 2, "num_generations": 4, "max_completion_length": 32, "adaptive_start": "0:512,3584:1024"}
+FULL = {"steps": 10, "num_generations": 8, "max_completion_length": 48, "adaptive_start": "dense"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true",
+                        help=f"the full run {FULL} instead of the quick default {QUICK}")
     parser.add_argument("--model", default="smollm2-135m",
-                        help="a local Hugging Face model directory (default: SmolLM2-135M's converted directory)")
+                        help="smollm2-135m or a local Hugging Face model directory (default: smollm2-135m, whose "
+                             "converted directory sparrow.rollout.vllm_backend.model_directory gives)")
     parser.add_argument("--schedule", default="adaptive", help="Sparrow schedule spec, or `adaptive`")
     parser.add_argument("--tau", type=float, default=0.86, help="threshold of each length bin's p5 of acceptance")
     parser.add_argument("--bin-size", type=int, default=2000, help="length bins of the monitor, in tokens")
-    parser.add_argument("--adaptive-start", default="dense", help="the adaptive schedule's first budgets")
+    parser.add_argument("--adaptive-start", help="the adaptive schedule's first budgets (preset: quick "
+                                                 f"{QUICK['adaptive_start']}, full {FULL['adaptive_start']})")
     parser.add_argument("--adaptive-min-tokens", type=int, default=200, help="tokens a bin needs to move")
     parser.add_argument("--adaptive-patience", type=int, default=2, help="steps of evidence before a move")
-    parser.add_argument("--steps", type=int, default=10, help="GRPO steps")
+    parser.add_argument("--steps", type=int, help=f"GRPO steps (preset: quick {QUICK['steps']}, full {FULL['steps']})")
     parser.add_argument("--output-dir", default="runs/trl-grpo-sparse")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="minimum passkey prompt length in tokens")
-    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (one prompt a step)")
-    parser.add_argument("--max-completion-length", type=int, default=48)
+    parser.add_argument("--num-generations", type=int,
+                        help="completions per prompt, one prompt a step (preset: quick "
+                             f"{QUICK['num_generations']}, full {FULL['num_generations']})")
+    parser.add_argument("--max-completion-length", type=int, help="preset: quick "
+                        f"{QUICK['max_completion_length']}, full {FULL['max_completion_length']}")
     parser.add_argument("--reward", default="first_number", help="a reward spec as `sparrow train --reward` takes")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--tis-cap", type=float, default=2.0, help="upper bound of TRL's per-token IS ratio")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, value in (FULL if args.full else QUICK).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def configure_vllm_cpu() -> None:
@@ -74,7 +94,8 @@ def count_sparse_decodes() -> dict:
 
 
 def step_counts(counts: dict):
-    """A TrainerCallback appending each step's sparse decode calls and requests to counts["per_step"]."""
+    """A TrainerCallback appending each step's sparse decode calls and requests to counts["per_step"], and
+    printing one line per step when TRL logs it (logging_steps=1)."""
     from transformers import TrainerCallback
 
     class StepCounts(TrainerCallback):
@@ -82,7 +103,30 @@ def step_counts(counts: dict):
             done = [sum(step[k] for step in counts["per_step"]) for k in ("calls", "requests")]
             counts["per_step"].append({"calls": counts["calls"] - done[0], "requests": counts["requests"] - done[1]})
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                calls = counts["per_step"][-1]["calls"] if counts["per_step"] else 0
+                print(step_line(state.global_step, state.max_steps, logs, calls), flush=True)
+
     return StepCounts()
+
+
+def step_line(step: int, steps: int, logs: dict, sparse_calls: int) -> str:
+    """`step 1/2: reward 0.125, loss 0.0021, exact p5 0.912 over 128 tokens, schedule v1 0:512, 58 sparse decode
+    calls, 41.2 s (monitor 9.8 s, 24%)`, from TRL's logged row of the step."""
+    def get(name, form):
+        value = logs.get(name)
+        return "n/a" if value is None else format(value, form)
+
+    budgets = sorted((int(k.split("/")[1].removeprefix("bin_")), v) for k, v in logs.items()
+                     if k.startswith("adaptive/bin_") and k.endswith("/budget"))
+    schedule = ",".join(f"{start}:{int(budget)}" for start, budget in budgets)
+    step_time, monitor = logs.get("step_time"), logs.get("time/sparrow_monitor_s")
+    share = f", {100 * monitor / step_time:.0f}%" if step_time and monitor is not None else ""
+    return (f"step {step}/{steps}: reward {get('reward', '.3f')}, loss {get('loss', '.4g')}, exact p5 "
+            f"{get('mismatch/exact/p5', '.3f')} over {get('mismatch/exact/tokens', '.0f')} tokens, schedule "
+            f"v{get('sparrow/schedule_version', '.0f')}{' ' + schedule if schedule else ''}, {sparse_calls} sparse "
+            f"decode calls, {get('step_time', '.1f')} s (monitor {get('time/sparrow_monitor_s', '.1f')} s{share})")
 
 
 def text_reward(spec: str):
@@ -152,6 +196,10 @@ def run(args: argparse.Namespace) -> None:
                                  callbacks=[step_counts(counts)], sparrow_config=sparrow)
     report("prompt_tokens", {"min": args.prompt_tokens, "longest": longest})
     report("schedule_file", str(trainer.sparrow_schedule.path))
+    report("correction", trainer.sparrow_correction)
+    print(f"{args.steps} GRPO steps of {args.num_generations} completions on {longest}-token prompts, "
+          f"schedule {args.schedule}" + (f" from {args.adaptive_start}" if args.schedule == "adaptive" else "")
+          + ("" if args.full else " (quick; --full for the 10-step run)"), flush=True)
     trainer.train()
     for row in trainer.state.log_history:
         report("log", row)

@@ -11,6 +11,7 @@ from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
 ADAPTIVE = "adaptive"
+CORRECTIONS = ("auto", "trl")
 
 
 @dataclass
@@ -26,6 +27,9 @@ class SparrowConfig:
     schedule_file: the file the vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@schedule_file`); default
       `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.
     landmark, dense_layers, page_size: the sparse attention, as `sparrow train`'s options.
+    correction: `auto` (TRL's importance sampling correction becomes token-level truncation, Sparrow's TIS, unless
+      the GRPOConfig names another `vllm_importance_sampling_mode` than TRL's default) or `trl` (GRPOConfig's as
+      it is, TRL's default included); the trainer logs which is in force.
     """
 
     schedule: str = ADAPTIVE
@@ -41,8 +45,13 @@ class SparrowConfig:
     adaptive_margin: float = 0.02
     adaptive_patience: int = 2
     adaptive_min_tokens: int = 200
+    correction: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.correction not in CORRECTIONS:
+            raise SparrowError(f"SparrowConfig.correction {self.correction!r}: expected 'auto' (token-level "
+                               "truncated importance sampling unless GRPOConfig names a mode) or 'trl' (GRPOConfig's "
+                               "vllm_importance_sampling_mode as it is)")
         self.monitor.validate()
         self.adaptive.validate()
         if not isinstance(self.schedule, str) or not self.schedule.strip():
@@ -77,4 +86,7 @@ class SparrowConfig:
         try:
             return parse_schedule(spec, sparse.page_size, sparse.always_kept_pages)
         except SparrowError as err:
-            raise SparrowError(f"SparrowConfig.{name}: {err}") from None
+            also = ""
+            if not self.is_adaptive and str(err).startswith("unknown schedule"):
+                also = f", or {ADAPTIVE!r} (budgets per length bin that move during the run, from adaptive_start)"
+            raise SparrowError(f"SparrowConfig.{name}: {err}{also}") from None

@@ -17,6 +17,12 @@ next version and all processes wait for it before they generate again.
 TRL's own forward (`_get_per_token_logps_and_entropies`) keeps only the sampled tokens' log-probs, so it cannot
 serve for exact acceptance, which needs both full next-token distributions: the monitor runs its own dense and
 sparse forwards, one prompt forward per group (`rollout.batch.piece_logits`), on the monitored share only.
+
+What the trainer sets or checks before TRL builds anything: the model (Sparrow's `smollm2-135m` becomes its
+converted directory, `resolve_model`), TRL's importance sampling correction (`choose_correction`: token-level
+truncation, Sparrow's TIS, unless the user chose a mode; logged), and the lengths the adaptive bins cover (vLLM's
+`max_model_len`). A schedule that decodes nothing sparsely at the lengths the run reaches is warned about once
+(`schedule_file.SparseCoverage`).
 """
 
 from __future__ import annotations
@@ -36,11 +42,83 @@ from sparrow.vllm.config import FOLLOW, environment_for
 
 from .config import SparrowConfig
 from .monitor import gather_rows, measure, monitored_rows, rollout_batch, verdict
-from .schedule_file import RunTimeSchedule
+from .schedule_file import RunTimeSchedule, SparseCoverage
 
 __all__ = ["SparrowConfig", "SparrowGRPOTrainer"]
 
 log = logging.getLogger("sparrow.integrations.trl")
+
+
+TOKEN_TRUNCATE = "token_truncate"
+
+
+def resolve_model(model):
+    """TRL's `model` argument with Sparrow's model names resolved: `smollm2-135m` becomes the Hugging Face directory
+    Sparrow converts it into (`sparrow.rollout.vllm_backend.model_directory`); a model object, a hub id or a
+    directory goes to TRL unchanged. Sparrow's random test models (`tiny-*`) stop here with one message."""
+    from sparrow.models import MODEL_NAMES
+
+    if not isinstance(model, str) or model not in MODEL_NAMES or Path(model).is_dir():
+        return model
+    from sparrow.rollout.vllm_backend import model_directory
+
+    if model != "smollm2-135m":
+        raise SparrowError(f"model {model!r} is one of Sparrow's random test models, whose head size vLLM refuses: "
+                           "SparrowGRPOTrainer takes a Hugging Face model id or directory, or 'smollm2-135m' "
+                           "(its directory: sparrow.rollout.vllm_backend.model_directory('smollm2-135m'))")
+    try:
+        directory = str(model_directory(model))
+    except SparrowError as err:
+        raise SparrowError(f"model {model!r}: {err} (sparrow.rollout.vllm_backend.model_directory gives the "
+                           "directory TRL and vLLM load)") from None
+    log.info("model %r: Sparrow's converted Hugging Face directory %s", model, directory)
+    return directory
+
+
+def choose_correction(args: GRPOConfig, choice: str) -> tuple[str, bool]:
+    """TRL's importance sampling correction of the rollouts for sparse decoding, set on `args` in place, and
+    (the line saying which is in force, whether it deserves a warning).
+
+    Sparse rollouts differ from the training model a little on many tokens. TRL 1.16's default,
+    `sequence_mask`, zeroes a whole sequence when the product of its tokens' ratios leaves [clip_min, clip_max]:
+    at sparse budgets that is most of a batch (the ratio's mean was 0.05 at const:48 on SmolLM2). Token-level
+    truncation (`token_truncate`, Sparrow's TIS: each token's ratio clipped) keeps every token's signal, bounded.
+    With `choice` 'auto' TRL's default is replaced; a mode the user set (any other value, or bounds that a
+    truncation cannot use) and `choice` 'trl' are kept."""
+    mode = args.vllm_importance_sampling_mode
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if not args.vllm_importance_sampling_correction:
+        return ("importance sampling correction: none (GRPOConfig(vllm_importance_sampling_correction=False)): "
+                "the sparse rollouts' tokens are trained on as if the training model had sampled them; "
+                f"Sparrow's correction is vllm_importance_sampling_mode={TOKEN_TRUNCATE!r}"), True
+    default = GRPOConfig.__dataclass_fields__["vllm_importance_sampling_mode"].default
+    bounds = f"clip_min {low}, clip_max {high}"
+    if choice == "auto" and mode == default and mode != TOKEN_TRUNCATE and (low is not None or high is not None):
+        args.vllm_importance_sampling_mode = TOKEN_TRUNCATE
+        return (f"importance sampling correction: vllm_importance_sampling_mode={TOKEN_TRUNCATE!r} ({bounds}), set by "
+                f"Sparrow in place of TRL's default {default!r}: each token's ratio pi_train / pi_vllm is clipped "
+                "(Sparrow's TIS), where a sequence-level mask drops every rollout whose product of ratios leaves the "
+                "bounds, most of a batch at sparse budgets. To keep TRL's, SparrowConfig(correction='trl')"), False
+    whose = "GRPOConfig's, kept"
+    if mode == default:
+        whose = ("TRL's default, kept by SparrowConfig(correction='trl')" if choice == "trl" else
+                 "TRL's default, kept: no clip bound to truncate at")
+    line = f"importance sampling correction: vllm_importance_sampling_mode={mode!r} ({bounds}; {whose})"
+    if mode.startswith("sequence"):
+        return line + (f"; a sequence-level mode weighs whole rollouts, and sparse rollouts differ on many tokens: "
+                       f"{TOKEN_TRUNCATE!r} is Sparrow's correction"), True
+    return line, False
+
+
+def vllm_args_check(args) -> None:
+    """One message naming the option when the arguments cannot run sparse rollouts."""
+    if args is None:
+        raise SparrowError("SparrowGRPOTrainer needs args=GRPOConfig(use_vllm=True, ...), got none (TRL's default "
+                           "has use_vllm=False): Sparrow's sparse rollouts run inside vLLM")
+    if not getattr(args, "use_vllm", False):
+        raise SparrowError(f"SparrowGRPOTrainer needs GRPOConfig(use_vllm=True, ...), got use_vllm="
+                           f"{getattr(args, 'use_vllm', None)!r} in its {type(args).__name__}: Sparrow's sparse "
+                           "rollouts run inside vLLM (vllm_mode='colocate' or 'server')")
 
 
 def max_model_length(model, args: GRPOConfig) -> int:
@@ -80,20 +158,62 @@ class SparrowGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *rest,
                  sparrow_config: SparrowConfig | None = None, **kwargs):
-        if args is None or not args.use_vllm:
-            raise SparrowError(f"SparrowGRPOTrainer needs GRPOConfig(use_vllm=True, ...), got args={args!r:.80}: "
-                               "Sparrow's sparse rollouts run inside vLLM")
+        vllm_args_check(args)
         self.sparrow = sparrow_config or SparrowConfig()
-        path = Path(self.sparrow.schedule_file or Path(args.output_dir) / "sparrow" / "schedule.json")
+        model = resolve_model(model)
         state = PartialState()
-        self.sparrow_schedule = RunTimeSchedule(self.sparrow, path.resolve(), max_model_length(model, args),
-                                                writer=state.is_main_process)
+        self.sparrow_correction, worth_warning = choose_correction(args, self.sparrow.correction)
+        if state.is_main_process:
+            (log.warning if worth_warning else log.info)("%s", self.sparrow_correction)
+        path = Path(self.sparrow.schedule_file or Path(args.output_dir) / "sparrow" / "schedule.json")
+        longest = max_model_length(model, args)
+        if self.sparrow.is_adaptive and not args.vllm_max_model_length and state.is_main_process:
+            log.warning("adaptive schedule: GRPOConfig.vllm_max_model_length is unset, so its length bins and budget "
+                        "ladder reach the %d positions vLLM holds for this model; from a dense start each bin "
+                        "descends one rung per adaptive_patience steps before anything decodes sparsely. Set "
+                        "vllm_max_model_length to the longest prompt plus max_completion_length", longest)
+        self.sparrow_schedule = RunTimeSchedule(self.sparrow, path.resolve(), longest, writer=state.is_main_process)
         self.sparrow_schedule.start()
         state.wait_for_everyone()
         configure_plugin(self.sparrow, path.resolve(), args.vllm_mode)
         self.sparrow_warnings: list[tuple[int, str]] = []
         self._sparrow_batches = 0
+        self._sparrow_last_schedule = None  # the schedule in force at the last generation batch
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self._sparrow_engine_length()
+        self.sparrow_coverage = SparseCoverage(self.sparrow, self.sparrow_schedule.max_length)
+
+    def _sparrow_engine_length(self) -> None:
+        """Colocate mode: the adaptive bins up to the length vLLM's engine really holds (its `max_model_len`, which
+        vLLM derives from the model's config when vllm_max_model_length is unset)."""
+        llm = getattr(getattr(self, "vllm_generation", None), "llm", None)
+        engine = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        held = getattr(engine, "max_model_len", None)
+        if isinstance(held, int) and self.sparrow_schedule.resize(held):
+            log.info("adaptive schedule: bins up to vLLM's max_model_len %d (version %d)", held,
+                     self.sparrow_schedule.version)
+        self.accelerator.wait_for_everyone()
+
+    def train(self, *args, **kwargs):
+        """TRL's training, then the warning of a run whose rollouts decoded nothing sparsely (adaptive schedules;
+        a fixed one is warned about at its first such batch)."""
+        result = super().train(*args, **kwargs)
+        for message in self.sparrow_coverage.end(self._sparrow_last_schedule or self.sparrow_schedule.schedule):
+            self._sparrow_warn(message)
+        return result
+
+    def _sparrow_warn(self, message: str) -> None:
+        self.sparrow_warnings.append((self.state.global_step + 1, message))
+        if self.accelerator.is_main_process:
+            log.warning("step %d: %s", self.state.global_step + 1, message)
+
+    def _sparrow_lengths(self, output: dict) -> tuple[int, int]:
+        """(shortest prompt, longest prompt + completion) of the generation batch over all processes."""
+        prompt = output["prompt_mask"].sum(1)
+        total = prompt + output["completion_mask"].sum(1)
+        local = torch.stack([-prompt.min(), total.max()]).to(self.accelerator.device, torch.int64)[None]
+        both = self.accelerator.gather(local).reshape(-1, 2)
+        return int(-both[:, 0].max()), int(both[:, 1].max())
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -106,6 +226,8 @@ class SparrowGRPOTrainer(GRPOTrainer):
         through TRL's metrics."""
         clock = time.perf_counter()
         schedule, version, warnings = self.sparrow_schedule.in_force()
+        self._sparrow_last_schedule = schedule
+        warnings += self.sparrow_coverage.batch(schedule, *self._sparrow_lengths(output))
         metrics = self.sparrow_schedule.metrics(version)
         measured = self.sparrow_schedule.measured()
         self._sparrow_batches += 1
@@ -125,9 +247,7 @@ class SparrowGRPOTrainer(GRPOTrainer):
         for name, value in metrics.items():
             self._metrics["train"][name].append(value)
         for message in warnings:
-            self.sparrow_warnings.append((self.state.global_step + 1, message))
-            if self.accelerator.is_main_process:
-                log.warning("step %d: %s", self.state.global_step + 1, message)
+            self._sparrow_warn(message)
 
     def _sparrow_measure(self, output: dict, schedules: dict) -> np.ndarray:
         """[tokens of all processes, len(schedules) + 1]: each measured token's acceptance under each schedule,
