@@ -142,6 +142,14 @@ def sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total
                                  sparse.sink_pages, sparse.recent_pages, float(scaling))
 
 
+def span_decode(queries, keys, values, landmarks, n_pages, total, span: int, sparse, scaling: float):
+    """Dense attention of `span` new tokens per row: queries [B, Hkv, G * span, D] (row g * span + s is token s of
+    the span for query head g), the tokens' keys/values already the last `span` of each row's `total` -> the same
+    shape. Token s attends to the row's first total - (span - 1 - s) tokens."""
+    return _module.span_decode(queries, keys, values, landmarks, n_pages, n_pages, total, sparse.sink_pages,
+                               sparse.recent_pages, float(scaling), int(span))
+
+
 def paged_sparse_decode(queries, kv_cache, phys, landmarks, n_pages, budget_pages, total, sparse, scaling: float):
     """The same step over vLLM's CPU paged cache [blocks, Hkv, block, 2 D] (sparrow/vllm/cpu_attention.py):
     queries [R, Hkv, G, D]; phys [R, P] physical pages of each request's pages; landmarks per physical page

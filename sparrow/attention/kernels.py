@@ -84,6 +84,11 @@ def span_attention(query, key, value, cache: KVCache, layer: int, step: SpanStep
     keys = cache.keys[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
     values = cache.values[layer].view(batch, kv_heads, cache.capacity, dim)[:, :, :width]
     queries = query.reshape(batch, kv_heads, group * span, dim)  # head h = kv * G + g: rows g * S + s
+    if cache.sparse.page_landmark.compiled and cpu_kernel.usable(query):  # every page kept, the span's future cut
+        n_pages = (step.total + cache.sparse.page_size - 1) // cache.sparse.page_size
+        out = cpu_kernel.span_decode(queries, cache.keys[layer], cache.values[layer], cache.landmarks[layer],
+                                     n_pages, step.total, span, cache.sparse, scaling)
+        return out.view(batch, q_heads, span, dim).transpose(1, 2)
     mask = step.mask.repeat(1, 1, group, 1)  # [B, 1, G * S, width]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling)
     return out.view(batch, q_heads, span, dim).transpose(1, 2)

@@ -187,3 +187,36 @@ def test_bad_draft_tokens_fail_clearly(llama, value):
 def test_exact_summary_refuses_completions_of_other_modes(llama):
     with pytest.raises(SparrowError, match="not generated in exact mode"):
         exact_summary(RolloutEngine(*llama).generate(PROMPTS[:1], SAMPLED, SCHEDULE))
+
+
+def test_the_compiled_span_step_equals_one_token_steps_at_head_dim_64():
+    """The CPU kernel's span path (query rows of G heads x S tokens, the span's future cut) runs at head dims it
+    compiles for (64, 128); the tiny models' 16 take the generic path, so this model has SmolLM2's head dim."""
+    from sparrow.attention import cpu_kernel
+
+    if cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from sparrow.models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=192, num_hidden_layers=2, num_attention_heads=3,
+                         num_key_value_heads=1, head_dim=64, intermediate_size=256, max_position_embeddings=1024,
+                         initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    engine = RolloutEngine(model, tok)
+    prompts = random_prompts([45, 78, 33], seed=3)  # spans that fill and cross pages at different offsets
+    span = torch.randint(3, 250, (3, 9), generator=torch.Generator().manual_seed(1))
+
+    def filled():
+        cache = engine.new_cache(3, 100)
+        for row, prompt in enumerate(prompts):
+            engine.prefill(cache, prompt, torch.tensor([row]))
+        return cache
+
+    stepped, spanned = filled(), filled()
+    one = torch.stack([engine.decode_step(stepped, span[:, j], DENSE)[0] for j in range(9)], 1)
+    assert (engine.span_step(spanned, span) - one).abs().max() < 1e-4

@@ -153,12 +153,33 @@ inline void softmax_rows(float* scores, int64_t G, int64_t stride, int64_t n) {
   }
 }
 
+// softmax_rows with the exponentials vectorised (libmvec): for the span step, whose G * span rows make the scalar
+// expf the bottleneck. Its rounding may differ between AVX2 and AVX-512 builds, so one-token decode keeps the
+// scalar softmax above (bit-equal across CPUs); a span step only needs to agree with decode to rounding.
+inline void softmax_rows_simd(float* scores, int64_t G, int64_t stride, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * stride;
+    float top = *std::max_element(s, s + n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = std::exp(s[i] - top);
+      s[i] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+}
+
 // What both caches share: the queries [rows, H, G, D], per row the page count, budget in pages and token count
 // ([rows] int64 each), the landmark tensors ([centroid] or [kmin, kmax]) and the output [rows, H, G, D].
 struct Step {
   torch::Tensor q, n_pages, budget, total, out;  // contiguous; they own the memory of the pointers below
   std::vector<torch::Tensor> marks;
   int64_t rows, H, G, D, sink, recent;
+  int64_t span = 1;  // new tokens per row: query row g of a head is token g % span of them (see span_decode)
   bool quest;
   float scale;
   const float *qd, *m0, *m1;
@@ -229,6 +250,38 @@ struct ContiguousPages {
         for (int64_t g = 0; g < G; ++g) s[g * stride + t] = dot<kD>(qh + g * D, kr, D) * sc;
       }
     }
+    // The span step's many query rows (G * span): the page's keys transposed once into `tile` (channel-major,
+    // [kD, 16]), then up to 4 rows at a time in registers, as the paged reader does; partial pages as `score`.
+    template <int64_t kD>
+    void score_span(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
+                    float* tile) const {
+      if constexpr (kD % 16 == 0 && kD > 0) {
+        if (S == 16) {
+          const float* kp = page_keys(p);
+          float* kt = tile + 16;  // tile[0:16]: scratch for one row's scores
+          for (int64_t t = 0; t < valid; ++t)
+            for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = kp[t * kD + d];
+          for (int64_t t = valid; t < 16; ++t)
+            for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
+          for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            f16 r[4];
+            const float* q = qh + g0 * kD;
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: page_scores16<kD, 1>(q, kt, 16, r); break;
+              case 2: page_scores16<kD, 2>(q, kt, 16, r); break;
+              case 3: page_scores16<kD, 3>(q, kt, 16, r); break;
+              default: page_scores16<kD, 4>(q, kt, 16, r); break;
+            }
+            for (int64_t i = 0; i < std::min<int64_t>(4, G - g0); ++i) {
+              store16(tile, r[i] * sc);
+              std::copy(tile, tile + valid, s + (g0 + i) * stride);
+            }
+          }
+          return;
+        }
+      }
+      score<kD>(qh, G, p, valid, sc, s, stride, tile);
+    }
   };
 
   Head head(int64_t r, int64_t h) const {
@@ -262,6 +315,12 @@ struct PagedPages {
     const float* values(int64_t p) const { return slab(p) + block * D + within(p) * D; }
 
     void prefetch(const std::vector<int64_t>&, int64_t) const {}  // not asked for: the keys are strided by block
+
+    template <int64_t kD>
+    void score_span(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
+                    float* tile) const {
+      score<kD>(qh, G, p, valid, sc, s, stride, tile);
+    }
 
     // Channel by channel: S keys of one channel are one vector (key channel d of token t at kt[d * block + t]).
     template <int64_t kD>
@@ -312,7 +371,7 @@ template <int64_t kD, class Pages>
 torch::Tensor decode(const Step& st, const Pages& pages) {
   const int64_t H = st.H, G = st.G, D = kD ? kD : st.D, P = pages.slots(), S = pages.page_size();
   at::parallel_for(0, st.rows * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> page_score(P), qmean(D), scores, tile(S);
+    std::vector<float> page_score(P), qmean(D), scores, tile(S * std::max<int64_t>(D, 16) + 16);
     std::vector<int64_t> order(P), kept;
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / H, np = st.npd[r], limit = st.totd[r];
@@ -328,10 +387,22 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
       int64_t n = 0;  // tokens scored so far
       for (int64_t j = 0; j < n_kept; ++j) {
         head.prefetch(kept, j);
-        head.template score<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride, tile.data());
+        if (st.span > 1)
+          head.template score_span<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride,
+                                       tile.data());
+        else
+          head.template score<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride, tile.data());
         n += valid(kept[j]);
       }
-      softmax_rows(scores.data(), G, stride, n);
+      if (st.span > 1) {  // token s of the span sees the cache up to itself: its last span-1-s tokens are cut
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * stride;
+          for (int64_t i = n - (st.span - 1 - g % st.span); i < n; ++i) sg[i] = -std::numeric_limits<float>::infinity();
+        }
+        softmax_rows_simd(scores.data(), G, stride, n);
+      } else {
+        softmax_rows(scores.data(), G, stride, n);
+      }
       // The weighted sum of the kept tokens' values, page by page in the order scored.
       float* oh = st.od + rh * G * D;
       int64_t i = 0;
@@ -382,6 +453,25 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor v
   return decode_any_dim(st, pages);
 }
 
+// Several new tokens per row at once (the dense verification of drafted tokens): q [B, H, G * span, D], query row
+// g * span + s for token s of the span, whose keys/values are the last `span` of each row's `total` tokens; token s
+// attends to the first total - (span - 1 - s). Kept pages are ascending and hold the span's tokens last, so a
+// token's future ones are the last scored of its row. Other arguments as sparse_decode (dense: budget = n_pages).
+torch::Tensor span_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::vector<torch::Tensor> marks,
+                          torch::Tensor n_pages, torch::Tensor budget_pages, torch::Tensor total, int64_t sink,
+                          int64_t recent, double scale, int64_t span) {
+  TORCH_CHECK(span >= 1 && q.size(2) % span == 0, "span must divide the query rows");
+  Step st = make_step(q, keys, std::move(marks), n_pages, budget_pages, total, sink, recent, scale);
+  st.span = span;
+  TORCH_CHECK(values.scalar_type() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(values.is_contiguous(), "cache must be contiguous");
+  const int64_t P = keys.size(2);
+  for (auto& m : st.marks) TORCH_CHECK(m.size(2) == P, "landmarks must match the cache");
+  const ContiguousPages pages{keys.data_ptr<float>(), values.data_ptr<float>(), st.m0, st.m1, st.H, P,
+                              keys.size(3), st.D};
+  return decode_any_dim(st, pages);
+}
+
 // The same step over vLLM's CPU paged cache kv_cache [blocks, H, block, 2 D] (see PagedPages): q [R, H, G, D];
 // phys [R, P]; marks per physical page, [pages, H, D] each; n_pages, budget_pages, total: [R] int64.
 torch::Tensor paged_sparse_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor phys,
@@ -399,5 +489,6 @@ torch::Tensor paged_sparse_decode(torch::Tensor q, torch::Tensor kv_cache, torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_decode", &sparse_decode, "page selection and sparse attention for one decode step");
+  m.def("span_decode", &span_decode, "attention of several new tokens per row (causal among them)");
   m.def("paged_sparse_decode", &paged_sparse_decode, "the same step over vLLM's CPU paged KV cache");
 }
