@@ -1,4 +1,5 @@
-"""Small file helpers shared by the commands: atomic writes, durable JSONL appends, JSONL reading with line numbers.
+"""Small helpers shared by the commands: atomic writes, durable JSONL appends, JSONL reading with line numbers, and
+strict reading of environment variables (`env_flag`, `env_int`: a value not understood is refused by name).
 
 Files that a run appends to (metrics.jsonl, eval.jsonl) can end in a torn line when the run is killed during a
 write; `parse_jsonl` recognises one (the last line, without its newline, not a JSON object or not UTF-8: a write
@@ -16,6 +17,40 @@ import warnings
 from pathlib import Path
 
 from sparrow.errors import SparrowError
+
+
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def env_flag(name: str, default: bool, meaning: str = "", environ=None) -> bool:
+    """A yes/no environment variable: 1/true/yes/on or 0/false/no/off (any case, surrounding spaces ignored);
+    unset or empty, `default`. Any other value is a SparrowError naming the variable, its value and the accepted
+    ones (`meaning`: what 1 does, for the message)."""
+    value = (os.environ if environ is None else environ).get(name, "")
+    word = value.strip().lower()
+    if not word:
+        return default
+    if word not in FLAG_WORDS:
+        raise SparrowError(f"{name}={value!r}: expected 1{f' ({meaning})' if meaning else ''} or 0 "
+                           "(or true/false, yes/no, on/off)")
+    return FLAG_WORDS[word]
+
+
+def env_int(name: str, default: int, minimum: int | None = None, environ=None) -> int:
+    """An integer environment variable, at least `minimum`; unset or empty, `default`. Any other value is a
+    SparrowError naming the variable, its value and what was expected."""
+    value = (os.environ if environ is None else environ).get(name, "")
+    if not value.strip():
+        return default
+    expected = {None: "an integer", 0: "an integer >= 0", 1: "a positive integer"}.get(minimum,
+                                                                                    f"an integer >= {minimum}")
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise SparrowError(f"{name}={value!r}: expected {expected}") from None
+    if minimum is not None and number < minimum:
+        raise SparrowError(f"{name}={value!r}: expected {expected}")
+    return number
 
 
 def umask() -> int:

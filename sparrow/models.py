@@ -150,8 +150,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def cache_dir() -> Path:
-    """Where converted models are kept: ``$SPARROW_CACHE``, else ``~/.cache/sparrow``."""
-    return Path(os.environ.get("SPARROW_CACHE") or Path.home() / ".cache" / "sparrow").expanduser()
+    """Where converted models are kept: ``$SPARROW_CACHE``, else ``~/.cache/sparrow``; a SPARROW_CACHE that
+    names something other than a directory is refused by name."""
+    given = os.environ.get("SPARROW_CACHE", "")
+    path = Path(given.strip() or Path.home() / ".cache" / "sparrow").expanduser()
+    if given.strip() and path.exists() and not path.is_dir():
+        raise SparrowError(f"SPARROW_CACHE={given!r}: not a directory; expected a directory (made if missing) "
+                           "for converted models")
+    return path
 
 
 def smollm2_gguf_path() -> Path:

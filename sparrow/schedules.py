@@ -175,6 +175,15 @@ def parse_schedule(spec: str, page_size: int = 16,
     return schedule
 
 
+def read_schedule_file(path: str | os.PathLike, page_size: int = 16,
+                       always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Schedule:
+    """A JSON schedule file (the forms `parse_schedule` reads from a file), validated as `parse_schedule` does,
+    whatever its name looks like."""
+    schedule = _read_file(Path(path), page_size)
+    schedule.validate(page_size, always_kept_pages)
+    return schedule
+
+
 def split_schedules(text: str) -> list[str]:
     """'const:256,const:512,dense' -> specs. Pieces starting with a digit continue the previous spec (so
     'steps:1000:256,512' stays whole); ';' separates specs outright."""
@@ -232,6 +241,8 @@ def _parse_pairs(spec: str) -> Schedule:
 
 def _read_file(path: Path, page_size: int) -> Schedule:
     """A JSON file: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?}."""
+    if path.is_dir():
+        raise SparrowError(f"schedule file {str(path)!r} is a directory; expected a JSON schedule file")
     if not path.is_file():
         raise SparrowError(f"schedule file {str(path)!r} does not exist")
     try:

@@ -9,7 +9,10 @@ import sys
 from tqdm import std as tqdm_std
 from transformers.utils import logging as hf_logging
 
+from sparrow import huge_pages, models
+from sparrow.engine import packed_linear
 from sparrow.errors import SparrowError
+from sparrow.rewards import sandbox
 
 from . import bench, calibrate, cost, evaluate, generate, profile, prompts, report, schedule, train
 
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
     try:
+        check_environment()
         code = args.run(args) or 0
         sys.stdout.flush()  # a closed pipe shows up here at the latest, while it can still be handled
         return code
@@ -49,6 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_error(args.command, "interrupted", prefix="")
         return EXIT_INTERRUPTED
+
+
+def check_environment() -> None:
+    """Read every SPARROW_* variable the library reads deep inside a run, so that a value it does not understand is
+    refused by name before any model loads (SPARROW_VLLM_* are checked where --backend vllm starts vLLM)."""
+    huge_pages.enabled()
+    cpu_kernel = os.environ.get("SPARROW_CPU_KERNEL", "")  # read as "0" (off) or anything else (on) where it is used
+    if cpu_kernel not in ("", "0", "1"):
+        raise SparrowError(f"SPARROW_CPU_KERNEL={cpu_kernel!r}: expected 1 (the compiled CPU decode kernel) or 0")
+    packed_linear.usable()
+    sandbox.unsafe_from_env()
+    models.cache_dir()
 
 
 def _print_error(command: str, message, prefix: str = "error: ") -> None:

@@ -21,10 +21,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from sparrow.io import env_flag
+
 
 def usable() -> bool:
     """Whether this process may pack: oneDNN present, not turned off, MKL's reproducible mode not asked for."""
-    return (os.environ.get("SPARROW_PACKED_LINEAR", "1") != "0" and "MKL_CBWR" not in os.environ
+    return (env_flag("SPARROW_PACKED_LINEAR", True, "oneDNN-packed linear weights") and "MKL_CBWR" not in os.environ
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 

@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
+from sparrow.io import env_flag
 from sparrow.rewards.harness import wait_exit
 
 UNSAFE_ENV = "SPARROW_UNSAFE_CODE_REWARD"
@@ -46,7 +47,6 @@ _SYSTEM_FILES = ("/etc/ld.so.cache",)
 _MIN_VERSION = (0, 8, 0)
 _ROOT_UID_BASE = 2_000_000_000
 _ROOT_UID_COUNT = 1 << 20
-_UNSAFE_VALUES = {"1": True, "true": True, "yes": True, "": False, "0": False, "false": False, "no": False}
 _PROGRAM_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -218,11 +218,10 @@ def problem() -> str | None:
     return None
 
 
-def _unsafe_from_env() -> bool:
-    value = os.environ.get(UNSAFE_ENV, "")
-    if value.strip().lower() not in _UNSAFE_VALUES:
-        raise SparrowError(f"{UNSAFE_ENV}={value!r}; expected 1 (allow code rewards without a sandbox) or 0")
-    return _UNSAFE_VALUES[value.strip().lower()]
+def unsafe_from_env() -> bool:
+    """Whether SPARROW_UNSAFE_CODE_REWARD accepts running code rewards without a sandbox (a SparrowError naming a
+    value that is not a yes or no)."""
+    return env_flag(UNSAFE_ENV, False, "allow code rewards without a sandbox")
 
 
 def require_sandbox(allow_unsafe: bool = False) -> str:
@@ -235,7 +234,7 @@ def require_sandbox(allow_unsafe: bool = False) -> str:
     if reason is None:
         return "bwrap"
     with _state_lock:
-        if allow_unsafe or _unsafe_from_env():
+        if allow_unsafe or unsafe_from_env():
             _unsafe_accepted = True
         if not _unsafe_accepted:
             raise SparrowError(

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_json
-from sparrow.schedules import DENSE, Schedule, parse_schedule
+from sparrow.io import atomic_write_json, env_int
+from sparrow.schedules import DENSE, Schedule, parse_schedule, read_schedule_file
 
 ENV_SCHEDULE = "SPARROW_VLLM_SCHEDULE"
 ENV_LANDMARK = "SPARROW_VLLM_LANDMARK"
@@ -65,18 +65,25 @@ def from_environment(environ=None) -> PluginConfig | None:
     spec = env.get(ENV_SCHEDULE, "").strip()
     if not spec:
         return None
-    page_text = env.get(ENV_PAGE_SIZE, "16").strip()
+    page_size = env_int(ENV_PAGE_SIZE, 16, minimum=1, environ=env)
+    layers_text = env.get(ENV_DENSE_LAYERS, "0,1")
     try:
-        page_size = int(page_text)
+        layers = tuple(int(x) for x in layers_text.split(",") if x.strip())
     except ValueError:
-        raise SparrowError(f"{ENV_PAGE_SIZE}={page_text!r}: expected a positive integer") from None
+        layers = (-1,)
+    if any(i < 0 for i in layers):
+        raise SparrowError(f"{ENV_DENSE_LAYERS}={layers_text!r}: expected comma-separated layer indices >= 0, "
+                           "e.g. '0,1' (empty: no dense layer)")
     try:
-        sparse = SparseConfig.from_options(page_size, env.get(ENV_LANDMARK, "centroid").strip(),
-                                           env.get(ENV_DENSE_LAYERS, "0,1"))
+        sparse = SparseConfig.from_options(page_size, env.get(ENV_LANDMARK, "centroid").strip(), layers_text)
     except SparrowError as err:
         raise SparrowError(f"Sparrow's vLLM plugin ({', '.join(ENV_NAMES[1:])}): {err}") from None
     if spec.startswith(FOLLOW):
-        source = Path(spec[len(FOLLOW):].strip())
+        path = spec[len(FOLLOW):].strip()
+        if not path:
+            raise SparrowError(f"{ENV_SCHEDULE}={spec!r}: expected {FOLLOW}PATH, the path of a JSON schedule file "
+                               f"to follow, after the {FOLLOW}")
+        source = Path(path)
         try:
             schedule, version = read_schedule(source, sparse)
         except SparrowError as err:
@@ -123,6 +130,12 @@ def check_environment(sparse: SparseConfig, environ=None) -> Schedule | None:
     given = {name: env[name] for name in ENV_NAMES if env.get(name, "").strip()}
     if not given:
         return None
+    spec = given.get(ENV_SCHEDULE, "").strip()
+    if spec.startswith(FOLLOW):
+        raise SparrowError(f"{ENV_SCHEDULE}={given[ENV_SCHEDULE]!r} asks the plugin to follow a schedule file, which "
+                           "--backend vllm does not do: the command's --schedule sets the plugin's schedule; unset "
+                           f"{ENV_SCHEDULE} (to run the file's schedule, pass --schedule "
+                           f"{spec[len(FOLLOW):].strip() or 'PATH'})")
     config = from_environment({**environment_for(sparse), **given})
     for name, attr in _OPTIONS:
         if name in given and getattr(config.sparse, attr) != getattr(sparse, attr):
@@ -146,7 +159,7 @@ def read_schedule(path: str | os.PathLike, sparse: SparseConfig) -> tuple[Schedu
     """A schedule file (any JSON form `parse_schedule` reads) and its optional top-level "version" (an integer
     >= 0), checked against `sparse`; a SparrowError naming the file and the bad value otherwise."""
     path = Path(path)
-    schedule = parse_schedule(str(path), sparse.page_size, sparse.always_kept_pages)
+    schedule = read_schedule_file(path, sparse.page_size, sparse.always_kept_pages)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
