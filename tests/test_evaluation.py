@@ -40,3 +40,16 @@ def test_eval_command_reports_mean_and_pass_at_k(tmp_path, capsys):
     assert [every[f"pass@{k}"] for k in (1, 2, 4)] == [1.0, 1.0, 1.0]
     assert [none[f"pass@{k}"] for k in (1, 2, 4)] == [0.0, 0.0, 0.0]
     assert sum(every["per_example_mean"]) / 3 == pytest.approx(every["mean@4"]) and len(every["prompt_length"]) == 3
+
+
+def test_eval_in_exact_mode_scores_the_dense_policys_own_samples(capsys):
+    base = ["eval", "--model", "tiny-qwen3", "--data", "examples/tiny-data.jsonl", "--k", "3",
+            "--max-new-tokens", "24", "--reward", "examples/toy_reward.py:byte_mean", "--json"]
+    results = {}
+    for name, extra in {"dense": ["--schedule", "dense"], "sparse": ["--schedule", "const:48"],
+                        "exact": ["--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "3"]}.items():
+        assert main(base + extra) == 0
+        results[name] = json.loads(capsys.readouterr().out)
+    assert results["exact"]["per_example_mean"] == results["dense"]["per_example_mean"]
+    assert results["sparse"]["per_example_mean"] != results["dense"]["per_example_mean"]
+    assert results["exact"]["rollout_mode"] == "exact"
