@@ -100,12 +100,16 @@ def load_examples(spec: DataSpec) -> list[Example]:
         if problem is None and answers_present and answer is _MISSING:
             problem = f"missing answer field {answer_field!r} (other rows have it)"
         if problem is not None:
-            problems.append(f"{unit} {number}: {problem}")
+            problems.append((number, problem))
             continue
         columns = {key: value for key, value in row.items() if key not in (spec.prompt_field, answer_field)}
         examples.append(Example(index, prompt, None if answer is _MISSING else answer, columns))
+    if len(problems) == 1:  # one line, as the other files' errors: FILE:LINE: problem
+        number, problem = problems[0]
+        raise SparrowError(f"{path}:{number}: {problem}" if unit == "line"
+                           else f"{path}: row {number} (counted from 0): {problem}")
     if problems:
-        shown = "\n  ".join(problems[:_MAX_REPORTED])
+        shown = "\n  ".join(f"{unit} {number}: {problem}" for number, problem in problems[:_MAX_REPORTED])
         more = f"\n  ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
         counted = " (rows counted from 0)" if unit == "row" else ""
         raise SparrowError(f"{path}: {len(problems)} bad {unit}(s){counted}:\n  {shown}{more}")
@@ -147,7 +151,9 @@ def _prompt_problem(prompt, field: str) -> str | None:
     if prompt is _MISSING:
         return f"missing prompt field {field!r}"
     if isinstance(prompt, str):
-        return None if prompt.strip() else f"prompt {prompt!r} is empty; expected text or chat messages"
+        if not prompt.strip():
+            return f"prompt {prompt!r} is empty; expected text or chat messages"
+        return None if (bad := text_problem(prompt)) is None else f"prompt {bad}"
     if isinstance(prompt, list):
         if not prompt:
             return "prompt is an empty list; expected at least one chat message"
@@ -157,8 +163,22 @@ def _prompt_problem(prompt, field: str) -> str | None:
                 return f"prompt message {position} is {_short(message)}; {expected}"
             if not isinstance(message.get("content"), str):
                 return f"prompt message {position} has content {_short(message.get('content'))}; expected a string"
+            for key in ("role", "content"):
+                if (bad := text_problem(message[key])) is not None:
+                    return f"prompt message {position}'s {key} {bad}"
         return None
     return f"prompt is {_short(prompt)}; expected a non-empty string or a list of {{role, content}} messages"
+
+
+def text_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text a tokenizer can take (a lone surrogate: JSON's "\\ud800" unpaired, or bytes
+    in a command-line argument that are not UTF-8), as words to follow a name; None if it is fine."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"holds a lone surrogate {text[err.start]!r} at character {err.start}; expected Unicode text "
+                "(surrogates \\ud800-\\udfff only in pairs; command-line text in UTF-8)")
+    return None
 
 
 def _short(value) -> str:

@@ -213,9 +213,19 @@ class RolloutSection:
         if sparse is not None and sparse.exact and self.backend == "vllm":
             raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
                                "workers), not in vLLM: see docs/exact-mode.md")
-        check_rollout_workers(self.workers, self.ray_address, device)
+        workers = check_rollout_workers(self.workers, self.ray_address, device)
         if self.cpus_per_worker is not None:
             check_int("cpus_per_worker", self.cpus_per_worker, 1)
+            if not workers:
+                raise SparrowError(f"cpus_per_worker {self.cpus_per_worker} applies to Ray rollout workers, and "
+                                   "there are none: give --rollout-workers N as well, or drop --cpus-per-worker")
+            cpus = len(os.sched_getaffinity(0))
+            ray = sys.modules.get("ray")  # a cluster, or a Ray session open already, is checked once attached
+            if self.ray_address is None and not (ray is not None and ray.is_initialized()) \
+                    and workers * self.cpus_per_worker > cpus:
+                raise SparrowError(f"rollout_workers {workers} x cpus_per_worker {self.cpus_per_worker} exceeds the "
+                                   f"{cpus} CPU(s) available here; expected at most {cpus // workers} CPU(s) per "
+                                   "worker, or --ray-address of a larger cluster")
         check_backend(self.backend, self.workers, self.ray_address)
         check_int("max_batch_size", self.max_batch_size, 1)
 

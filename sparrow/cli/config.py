@@ -44,4 +44,6 @@ def load_config(cls, args: argparse.Namespace):
             values[option.name] = value
     config = build(cls, values)
     config.validate()
+    if hasattr(config, "check_given"):  # options that must not be given where they would do nothing
+        config.check_given(values)
     return config

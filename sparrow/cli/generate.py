@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from sparrow.datasets import read_prompts
+from sparrow.datasets import read_prompts, text_problem
 from sparrow.engine import SamplingParams, as_chat, content_keys
 from sparrow.engine.exact import exact_summary
 from sparrow.errors import SparrowError
@@ -53,6 +53,8 @@ class GenerateConfig:
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if self.prompts is not None:
             require_file(self.prompts, "prompts file")
+        if self.prompt is not None and (problem := text_problem(self.prompt)) is not None:
+            raise SparrowError(f"--prompt {problem}")
         check_int("num_samples", self.num_samples, 1)
         check_int("seed", self.seed, 0)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
-from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, prompts_hash, run_profile
+from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, check_resumable, prompts_hash, run_profile
 from sparrow.options import (
     AdaptedModelSection,
     RewardSection,
@@ -90,6 +90,7 @@ def run(args) -> int:
     prompts = read_prompts(config.prompts)
     rewards = config.rewards.parsed
     examples = load_examples(DataSpec(config.prompts)) if rewards else []
+    check_resumable(Path(config.out), config.parsed_schedules, bool(rewards))
     model, tokenizer = config.model.load()
     sparse, sampling = config.sparse.config(), config.sampling
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,10 +59,72 @@ class ScheduleSample:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path) -> ScheduleSample:
-        with np.load(path) as data:
-            return cls(**{k: data[k] for k in ("alpha", "total_position", "generated_position", "kv_budget")},
-                       rewards=data.get("rewards"))
+    def load(cls, path: Path, with_rewards: bool = False) -> ScheduleSample:
+        """A saved sample; a SparrowError naming the file when it is damaged (a truncated or foreign file, arrays
+        missing or of different lengths, rewards missing when `with_rewards`)."""
+        fields = ("alpha", "total_position", "generated_position", "kv_budget")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                missing = [k for k in fields + ("rewards",) * with_rewards if k not in data.files]
+                sample = None if missing else cls(**{k: data[k] for k in fields}, rewards=data.get("rewards"))
+        except (OSError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+            problem = f"cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+        else:
+            if missing:
+                problem = f"lacks the array(s) {', '.join(missing)}"
+            elif len({a.shape for a in (sample.alpha, sample.total_position, sample.generated_position,
+                                        sample.kv_budget)}) != 1 or sample.alpha.ndim != 1:
+                problem = "holds arrays of different shapes"
+            else:
+                return sample
+        raise SparrowError(f"{path} is damaged: it {problem}; remove it to profile that schedule again (the other "
+                           "files of the profile are kept)")
+
+
+def read_dense_rewards(path: Path, count: int | None = None) -> np.ndarray:
+    """The dense policy's rewards saved by an earlier run: finite numbers, `count` of them when given; a
+    SparrowError naming the file when it is damaged."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = f"is not valid JSON ({err})"
+    else:
+        numbers = isinstance(data, list) and all(type(x) in (int, float) and np.isfinite(x) for x in data)
+        if not numbers:
+            problem = "is not a list of finite numbers"
+        elif count is not None and len(data) != count:
+            problem = f"holds {len(data)} rewards; expected {count} (one per paired completion)"
+        else:
+            return np.asarray(data, dtype=np.float64)
+    raise SparrowError(f"{path} is damaged: it {problem}; remove it to sample the dense policy's rewards again")
+
+
+def _read_run_key(path: Path) -> dict:
+    """The settings an earlier profile in this folder was made with; a SparrowError naming the file if damaged."""
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        problem = f"({err})"
+    else:
+        if isinstance(previous, dict):
+            return previous
+        problem = "(not a JSON object)"
+    raise SparrowError(f"{path} is damaged {problem}; remove it (and the profile beside it) or use another --out")
+
+
+def check_resumable(out_dir: Path, schedules, with_rewards: bool) -> None:
+    """Read what an interrupted profile in `out_dir` left (each schedule's tokens .npz, the dense rewards), so that
+    a file damaged beyond use is refused by name before any model loads (`run_profile` checks the rest, once it
+    knows the earlier run had the same settings)."""
+    if (Path(out_dir) / "run_key.json").exists():
+        _read_run_key(Path(out_dir) / "run_key.json")
+    for name in schedules:
+        path = Path(out_dir) / f"tokens-{_file_name(name)}.npz"
+        if path.exists():
+            ScheduleSample.load(path)
+    dense_path = Path(out_dir) / "dense-rewards.json"
+    if with_rewards and dense_path.exists():
+        read_dense_rewards(dense_path)
 
 
 def prompts_hash(prompts: list) -> str:
@@ -179,11 +243,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
                       "reward": meta.get("reward"), "answers_hash": meta.get("answers_hash")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
-        try:
-            previous = json.loads(key_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SparrowError(f"{key_path} is damaged ({err}); remove it (and the profile beside it) or use "
-                               "another --out") from None
+        previous = _read_run_key(key_path)
         changed = sorted(k for k in key if previous.get(k) != key[k])
         if changed:
             raise SparrowError(f"{out_dir} holds a profile made with other settings ({', '.join(changed)} "
@@ -195,7 +255,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
         path = out_dir / f"tokens-{_file_name(name)}.npz"
         if path.exists():
             log(f"[{number}/{len(schedules)}] {name}: done earlier, reusing {path.name}")
-            samples[name] = ScheduleSample.load(path)
+            samples[name] = ScheduleSample.load(path, reward is not None)
             continue
         log(f"[{number}/{len(schedules)}] {name}: sampling {len(prompts) * samples_per_prompt} completions")
         samples[name] = profile_schedule(backend, model, prompts, schedule, sampling, samples_per_prompt, sparse,
@@ -206,7 +266,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
     if reward is not None:
         dense_path = out_dir / "dense-rewards.json"
         if dense_path.exists():
-            dense = np.asarray(json.loads(dense_path.read_text(encoding="utf-8")), dtype=np.float64)
+            dense = read_dense_rewards(dense_path, len(prompts) * samples_per_prompt)
         else:
             log(f"dense policy: sampling {len(prompts) * samples_per_prompt} paired completions for the reward")
             dense = dense_rewards(backend, prompts, sampling, samples_per_prompt, reward, progress=True)

@@ -75,6 +75,9 @@ class TrainRolloutSection(RolloutSection):
         super().validate(device, sparse)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
+            if not self.workers:
+                raise SparrowError(f"wire_dtype {self.wire_dtype!r} is how weights travel to Ray rollout workers, "
+                                   "and there are none: give --rollout-workers N as well, or drop --wire-dtype")
 
 
 @dataclass
@@ -305,6 +308,33 @@ class TrainConfig:
         self.parsed = Parsed(self.sparse.config(), schedule, adaptive, switch, self.sparse.parse(self.eval.schedule),
                              self.data.parsed)
         self.data.check_answers(("data", self.data.path), ("eval_data", self.eval.data))
+        monitor = self.monitor
+        checked = (monitor.reward_check_every and not self.sparse.exact
+                   and (adaptive or switch is not None or not schedule.is_dense))
+        if checked and monitor.reward_check_samples == 1 and min(monitor.reward_check_prompts,
+                                                                  self.grpo.prompts_per_step) == 1:
+            raise SparrowError("the reward check with reward_check_samples 1 of reward_check_prompts 1 compares one "
+                               "pair of samples, which gives no interval; expected at least 2 pairs (raise either), "
+                               "or reward_check_every 0 to turn the check off")
+
+    def check_given(self, given: dict) -> None:
+        """Refuse options given explicitly (`given`: their names and values from the YAML file or command line,
+        before defaults) that would do nothing or be cut down without a word."""
+        if given.get("eval_at_start") and self.eval.data is None:
+            raise SparrowError("eval_at_start scores the held-out set before the first step, and there is none: give "
+                               "--eval-data FILE as well, or drop --eval-at-start")
+        monitor, grpo = self.monitor, self.grpo
+        if "min_retention" in given and monitor.min_retention > 1:
+            raise SparrowError(f"min_retention must be in (0, 1] as calibrate's, got {monitor.min_retention}: it is "
+                               "the share of the dense policy's reward the sparse rollouts must keep")
+        if "reward_check_samples" in given and monitor.reward_check_samples > grpo.num_generations:
+            raise SparrowError(f"reward_check_samples {monitor.reward_check_samples} exceeds num_generations "
+                               f"{grpo.num_generations}: the reward check pairs dense samples with the samples of a "
+                               f"rollout group; expected at most {grpo.num_generations}")
+        if "reward_check_prompts" in given and monitor.reward_check_prompts > grpo.prompts_per_step:
+            raise SparrowError(f"reward_check_prompts {monitor.reward_check_prompts} exceeds prompts_per_step "
+                               f"{grpo.prompts_per_step}: the reward check draws from the prompts of a step; expected "
+                               f"at most {grpo.prompts_per_step}")
 
     def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""
