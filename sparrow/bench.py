@@ -261,12 +261,12 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
     each sampling `steps` tokens per row at `temperature` from one real-text prompt of `context` tokens shared by
     `batch` rows (a seed per repeat: the same tokens for dense and exact). Exact mode's speed depends on how often
     the dense policy accepts the drafts, so the text is real, not random ids."""
-    from sparrow.engine.exact import exact_summary
+    from sparrow.engine.exact import exact_summary, max_draft
 
     prompt = task_prompt(engine.tokenizer, context, seed)
     check_kv_cache_fits(base_model(engine.model).config, engine.dtype, engine.device, batch,
-                        context + steps + draft_tokens)
-    cache = engine.new_cache(batch, context + steps, slack=draft_tokens)
+                        context + steps + max_draft(draft_tokens))
+    cache = engine.new_cache(batch, context + steps, slack=max_draft(draft_tokens))
     log(f"prefill: a {context}-token manifest prompt shared by {batch} rows")
     start = time.perf_counter()
     logits = engine.prefill(cache, prompt, torch.arange(batch, device=engine.device)).expand(batch, -1)

@@ -144,7 +144,8 @@ class ScheduledSparseSection(SparseSection):
     schedule: str = option("dense", SCHEDULE_HELP)
     rollout_mode: str = option("sparse", "sparse: decode with the schedule; exact: the schedule drafts, the dense "
                                "policy verifies (its own samples, token for token); dense: the dense schedule")
-    draft_tokens: int = option(4, "exact mode: tokens the schedule drafts per dense verification")
+    draft_tokens: int = option(4, "exact mode: tokens the schedule drafts per dense verification (0: auto, each "
+                               "round's length from the measured acceptance and step times)")
     parsed_schedule: Schedule | None = _parsed()
 
     def validate(self) -> None:

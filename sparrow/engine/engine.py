@@ -29,7 +29,7 @@ from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.schedules import DENSE, Schedule
 
-from .exact import check_draft_tokens, exact_wave
+from .exact import check_draft_tokens, exact_wave, max_draft
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import (
@@ -152,7 +152,8 @@ class RolloutEngine:
         """Generate `num_samples` completions per prompt; returned grouped by prompt, then sample index.
 
         `draft_tokens` None decodes with `schedule`; an integer K runs exact mode (`engine.exact`): `schedule`
-        drafts up to K tokens per dense verification and the completions are the dense policy's own samples.
+        drafts up to K tokens per dense verification (0: a length chosen each round from what was measured) and
+        the completions are the dense policy's own samples.
 
         Sample s of the prompt keyed k draws with its own random key, `sequence_key(sampling.seed, k, s)`
         (keys default to the prompts' indices in the call; distinct integers in [0, 2**32)). With a seed, its tokens
@@ -200,9 +201,10 @@ class RolloutEngine:
     def _generate_wave(self, wave, seqs: list[Completion], keys, encoded, sampling, schedule, num_samples,
                        bar, draft_tokens: int | None) -> list[Completion]:
         capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
-        cache = self.new_cache(len(seqs), capacity, slack=draft_tokens or 0)
+        exact = draft_tokens is not None
+        cache = self.new_cache(len(seqs), capacity, slack=max_draft(draft_tokens) if exact else 0)
         clock = self.clock()
-        with without_adapter(self.model) if draft_tokens else contextlib.nullcontext():  # exact: dense prefill
+        with without_adapter(self.model) if exact else contextlib.nullcontext():  # exact: dense prefill
             logits = self._prefill_wave(cache, wave, encoded, num_samples)
         self.lap("prefill", clock)
         self.decode_wave(cache, seqs, keys, logits, sampling, schedule, bar, draft_tokens)
@@ -212,7 +214,7 @@ class RolloutEngine:
                     sampling: SamplingParams, schedule: Schedule, bar, draft_tokens: int | None = None) -> None:
         """Decode `seqs` (cache row r holds seqs[r]'s prefilled prompt; `logits` [rows, V] their next-token logits)
         until each is finished, with `schedule` or, given `draft_tokens`, in exact mode. `cache` is consumed."""
-        if draft_tokens:
+        if draft_tokens is not None:
             exact_wave(self, cache, list(seqs), keys, logits, sampling, schedule, draft_tokens, bar)
             return
         budget = cache.lengths.clone()

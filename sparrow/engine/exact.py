@@ -16,6 +16,8 @@ free (`Completion.draft_acceptance`); no teacher-forced pass is needed to monito
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from sparrow.errors import SparrowError
@@ -27,13 +29,68 @@ from .sampling import SamplingParams, StepSample, choose, sample
 from .sequence import Completion
 
 MAX_DRAFT_TOKENS = 64
+AUTO = 0  # draft_tokens 0: each round's draft length chosen from what the wave measured (DraftLength)
+AUTO_START, AUTO_MAX = 4, 16
 
 
 def check_draft_tokens(value) -> int:
-    """The number of tokens drafted per verification: an integer in [1, MAX_DRAFT_TOKENS]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise SparrowError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {value!r}")
+    """The number of tokens drafted per verification: an integer in [1, MAX_DRAFT_TOKENS], or 0 for auto."""
+    if isinstance(value, bool) or not isinstance(value, int) or not AUTO <= value <= MAX_DRAFT_TOKENS:
+        raise SparrowError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 0 (auto), got {value!r}")
     return value
+
+
+def max_draft(draft_tokens: int) -> int:
+    """The most tokens one round may draft (the cache's spare slots beyond a row's end)."""
+    return AUTO_MAX if draft_tokens == AUTO else draft_tokens
+
+
+def choose_draft_length(acceptance: float, draft_s: float, verify_s: dict[int, float], max_k: int = AUTO_MAX) -> int:
+    """The draft length K in 1..max_k that maximises expected tokens per second, E(a, K) / (K draft_s + t(K + 1)),
+    with E(a, K) = sum_{i<=K} a^i and t(S) the seconds of a verification of S tokens: a line through the measured
+    ones (`verify_s`: span -> seconds), or with one measured span, half of its time fixed and half per token."""
+    spans = sorted(verify_s)
+    if len(spans) == 1:
+        (s0,) = spans
+        slope, base = verify_s[s0] / (2 * s0), verify_s[s0] / 2
+    else:
+        xs, ys = torch.tensor(spans, dtype=torch.float64), torch.tensor([verify_s[x] for x in spans], dtype=torch.float64)
+        slope = max(0.0, float(((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum()))
+        base = float(ys.mean()) - slope * float(xs.mean())
+    rate = [sum(acceptance**i for i in range(k + 1)) / (k * draft_s + max(base + slope * (k + 1), 1e-9))
+            for k in range(1, max_k + 1)]
+    return 1 + max(range(max_k), key=rate.__getitem__)
+
+
+@dataclass
+class DraftLength:
+    """Each round's draft length: `fixed`, or (fixed 0, auto) from what this wave measured so far: the coupled
+    acceptance (accepted over judged drafts, starting from a prior of 9 in 10), the seconds of a draft step and of
+    a verification per span (running means); `choose_draft_length` picks K, AUTO_START until both are measured."""
+
+    fixed: int
+    accepted: float = 9.0
+    judged: float = 10.0
+    draft_s: float | None = None
+    verify_s: dict[int, float] = field(default_factory=dict)
+
+    def next(self) -> int:
+        if self.fixed:
+            return self.fixed
+        if self.draft_s is None or not self.verify_s:
+            return AUTO_START
+        return choose_draft_length(self.accepted / self.judged, self.draft_s, self.verify_s)
+
+    def observe(self, count: int, draft_s: float, verify_s: float, accepted: torch.Tensor) -> None:
+        if self.fixed or not count:
+            return
+        took = accepted.tolist()
+        self.accepted += sum(took)
+        self.judged += sum(a + (a < count) for a in took)
+        per_step = draft_s / count
+        self.draft_s = per_step if self.draft_s is None else 0.8 * self.draft_s + 0.2 * per_step
+        old = self.verify_s.get(count + 1)
+        self.verify_s[count + 1] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
 
 
 def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits: torch.Tensor,
@@ -50,6 +107,7 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
     bar.update(len(live))
     pending = step.tokens
     clock = engine.lap("sample", engine.clock())
+    length = DraftLength(draft_tokens)
     while True:
         keep = [r for r, seq in enumerate(live) if not seq.finished]
         bar.update(sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
@@ -61,15 +119,19 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
             live = [live[r] for r in keep]
             keys, pending = keys.index_select(0, index), pending.index_select(0, index)
         room = max(sampling.max_new_tokens - len(seq.token_ids) for seq in live) - 1
-        count = min(draft_tokens, room)
+        count = min(length.next(), room)
         noise = [engine.noise(keys, live, sampling, vocab, ahead=j) for j in range(count + 1)]
         start = cache.lengths.clone()
+        began = clock
         drafts, draft_logits = _draft(engine, cache, pending, sampling, schedule, noise[:count])
         clock = engine.lap("decode", clock)
+        drafted_s = clock - began
         cache.lengths = start.clone()
         with without_adapter(engine.model):
             dense = engine.span_step(cache, torch.cat([pending[:, None], drafts], dim=1))  # [rows, count+1, V]
+        verified_at = clock
         clock = engine.lap("verify", clock)
+        verify_s = clock - verified_at
         rows, span = dense.shape[:2]
         flat_noise = None if noise[0] is None else torch.stack(noise, dim=1).view(rows * span, vocab)
         flat = sample(dense.view(rows * span, vocab), sampling, flat_noise)  # every position in one call
@@ -79,6 +141,7 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         accepted = torch.cumprod((tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
         alphas = (acceptance_rate(torch.stack(draft_logits, 1), dense[:, :count], sampling.logprob_temperature)
                   if count else dense.new_zeros(rows, 0))
+        length.observe(count, drafted_s, verify_s, accepted)
         _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)
         cache.lengths = start + 1 + accepted
         pending = tokens.gather(1, accepted[:, None]).squeeze(1)

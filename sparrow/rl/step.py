@@ -113,7 +113,7 @@ def reward_check(backend: RolloutBackend, step: StepBatch, reward_fns: list, cfg
     of the rollout's num_generations), and scored by the same rewards. Runs before the rollout, so the backend's
     timing and stats stay the rollout's; its samples never reach the update."""
     every = cfg.monitor.reward_check_every
-    if not every or number < 1 or number % every or step.schedule.is_dense or cfg.draft_tokens:
+    if not every or number < 1 or number % every or step.schedule.is_dense or cfg.draft_tokens is not None:
         return  # dense rollouts, and exact mode's (the dense policy's own tokens), have nothing to check
     examples = step.examples[:cfg.monitor.reward_check_prompts]
     with _Clock(step, "reward_check"):
@@ -129,7 +129,7 @@ def check_samples(cfg: StepConfig) -> int:
 
 def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
     with _Clock(step, "rollout"):
-        exact = {"draft_tokens": cfg.draft_tokens} if cfg.draft_tokens else {}
+        exact = {"draft_tokens": cfg.draft_tokens} if cfg.draft_tokens is not None else {}
         step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
                                             step.schedule, cfg.grpo.num_generations, **exact)
     for phase, seconds in getattr(backend, "timing", {}).items():
@@ -180,7 +180,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
         found = torch.zeros(*valid.shape, 2, device=valid.device)
         found[valid] = torch.stack([low, high], dim=-1)
         bounds[piece.tolist(), span] = found
-        if monitored and int(piece[0]) in monitored and not cfg.draft_tokens:
+        if monitored and int(piece[0]) in monitored and cfg.draft_tokens is None:
             began = time.perf_counter()
             exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
                                             dense_logits=logits)
@@ -190,7 +190,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
             monitor_s += time.perf_counter() - began
     valid = batch.mask.bool()
     step.logp_old, step.bounds = logp_old, bounds[valid]
-    if cfg.draft_tokens:  # exact mode: every drafted token's alpha was recorded while decoding, in every row
+    if cfg.draft_tokens is not None:  # exact mode: every drafted token's alpha was recorded while decoding, in every row
         exact = free_monitor(step.completions, batch.mask)
         monitored = set(range(len(step.completions)))
     if monitored:

@@ -116,7 +116,8 @@ def _train(config: TrainConfig, log) -> list[dict]:
     _check_reward_functions(config.parsed.rewards, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
     if config.sparse.exact:
-        log(f"exact mode: {config.sparse.schedule} drafts {config.sparse.draft_tokens} tokens per dense verification; "
+        drafts = config.sparse.draft_tokens or "an automatically chosen number of"
+        log(f"exact mode: {config.sparse.schedule} drafts {drafts} tokens per dense verification; "
             f"rollouts are the dense policy's own samples, so the TIS weights ({config.grpo.tis_mode}) are 1 and "
             "the reward check is off; the monitor reads each drafted token's acceptance (no teacher-forced pass)")
     try:

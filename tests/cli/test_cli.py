@@ -44,7 +44,7 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--rollout-mode", "exact",
       "--backend", "vllm"], "not in vLLM"),
     (["eval", "--model", "tiny-llama", "--data", "examples/tiny-data.jsonl", "--schedule", "const:48",
-      "--draft-tokens", "65"], "draft_tokens must be an integer in [1, 64], got 65"),
+      "--draft-tokens", "65"], "draft_tokens must be an integer in [1, 64] or 0 (auto), got 65"),
 ])
 def test_bad_input_gives_one_clear_error(argv, message, capsys):
     assert main(argv) == 2

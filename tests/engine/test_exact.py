@@ -178,9 +178,9 @@ def test_the_free_monitor_equals_a_token_by_token_reference(llama):
     assert checked >= 30
 
 
-@pytest.mark.parametrize("value", [0, -1, 65, 2.0, True, "4"])
+@pytest.mark.parametrize("value", [-1, 65, 2.0, True, "4"])
 def test_bad_draft_tokens_fail_clearly(llama, value):
-    with pytest.raises(SparrowError, match=r"draft_tokens must be an integer in \[1, 64\]"):
+    with pytest.raises(SparrowError, match=r"draft_tokens must be an integer in \[1, 64\] or 0 \(auto\)"):
         RolloutEngine(*llama).generate(PROMPTS[:1], SAMPLED, SCHEDULE, draft_tokens=value)
 
 
@@ -220,3 +220,20 @@ def test_the_compiled_span_step_equals_one_token_steps_at_head_dim_64():
     stepped, spanned = filled(), filled()
     one = torch.stack([engine.decode_step(stepped, span[:, j], DENSE)[0] for j in range(9)], 1)
     assert (engine.span_step(spanned, span) - one).abs().max() < 1e-4
+
+
+def test_auto_draft_length_follows_the_acceptance_and_the_verification_cost():
+    from sparrow.engine.exact import choose_draft_length
+
+    flat = {5: 0.10}  # a verification costing the same whatever its span (memory-bound, as on a GPU)
+    assert choose_draft_length(0.95, 0.02, {5: 0.10, 9: 0.10}) > choose_draft_length(0.95, 0.02, {5: 0.10, 9: 0.18})
+    assert choose_draft_length(0.95, 0.02, flat) > choose_draft_length(0.5, 0.02, flat)
+    assert choose_draft_length(0.0, 0.02, flat) == 1
+    assert 1 <= choose_draft_length(0.999, 0.001, {2: 0.1, 3: 0.1}, max_k=16) == 16
+
+
+def test_auto_draft_length_keeps_the_tokens_dense_samplings(llama):
+    model, tok = llama
+    engine = RolloutEngine(model, tok, max_batch_size=10)
+    dense = engine.generate(PROMPTS, SAMPLED, DENSE, num_samples=2)
+    _same(engine.generate(PROMPTS, SAMPLED, SCHEDULE, num_samples=2, draft_tokens=0), dense)
