@@ -11,6 +11,7 @@ from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, check_resumable, prompts_hash, run_profile
 from sparrow.options import (
+    ANSWER_REWARDS,
     AdaptedModelSection,
     RewardSection,
     RolloutSection,
@@ -77,6 +78,17 @@ class ProfileConfig:
         self.parsed_schedules = {spec: self.sparse.parse(spec) for spec in specs}
 
 
+def check_answers(rewards: list[str], examples: list, path: str) -> None:
+    """Rewards that compare with a reference answer need one in every row (null or empty counts as none), as train
+    and eval require: checked before any model loads, not found as rewards of 0 after sampling."""
+    needs = [name for name in rewards if name in ANSWER_REWARDS]
+    missing = [ex.index for ex in examples if ex.answer is None or ex.answer == ""]
+    if needs and missing:
+        raise SparrowError(f"reward {needs[0]!r} compares with each row's 'answer', but {len(missing)} row(s) of "
+                           f"prompts file {path!r} have none (first: row {missing[0]}, counted from 0); give every "
+                           "row an answer or another --reward")
+
+
 def format_retention(retention: dict) -> str:
     """'0.950 [0.900, 1.000]' from Retention.to_json(), with n/a where undefined."""
     value, low, high = (retention[k] for k in ("value", "low", "high"))
@@ -90,6 +102,7 @@ def run(args) -> int:
     prompts = read_prompts(config.prompts)
     rewards = config.rewards.parsed
     examples = load_examples(DataSpec(config.prompts)) if rewards else []
+    check_answers(config.rewards.names, examples, config.prompts)
     check_resumable(Path(config.out), config.parsed_schedules, bool(rewards))
     model, tokenizer = config.model.load()
     sparse, sampling = config.sparse.config(), config.sampling

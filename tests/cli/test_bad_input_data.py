@@ -25,6 +25,9 @@ def files(tmp_path_factory) -> Path:
     (root / "surrogate.jsonl").write_text("".join(json.dumps(row) + "\n" for row in broken))  # "\ud800" escaped
     chat = {"prompt": [{"role": "user", "content": "hi \ud800"}], "answer": "1"}
     (root / "surrogate-chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (root / "null-answer.jsonl").write_text("".join(json.dumps({**row, "answer": None} if i == 1 else row) + "\n"
+                                                    for i, row in enumerate(rows)))
+    (root / "no-answers.jsonl").write_text("".join(json.dumps({"prompt": row["prompt"]}) + "\n" for row in rows))
     return root
 
 
@@ -47,6 +50,12 @@ CASES = [
      LINE_2),
     ("train-data", [*TRAIN[:4], "{files}/surrogate.jsonl", *TRAIN[5:]], LINE_2),
     ("train-eval-data", TRAIN + ["--eval-data", "{files}/surrogate.jsonl"], LINE_2),
+    ("profile-reward-null-answer", PROFILE + ["{files}/null-answer.jsonl", "--reward", "first_number"],
+     "reward 'first_number' compares with each row's 'answer', but 1 row(s) of prompts file "
+     "'{files}/null-answer.jsonl' have none (first: row 1, counted from 0); give every row an answer or another "
+     "--reward"),
+    ("profile-reward-no-answers", PROFILE + ["{files}/no-answers.jsonl", "--reward", "math"],
+     "reward 'math' compares with each row's 'answer', but 3 row(s) of prompts file"),
     ("train-reward-check-samples-above-group", TRAIN + ["--reward-check-samples", "100"],
      "reward_check_samples 100 exceeds num_generations 2: the reward check pairs dense samples with the samples of "
      "a rollout group; expected at most 2"),
