@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
+from sparrow.engine.exact import check_draft_tokens
 from sparrow.errors import SparrowError
 from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, check_resumable, prompts_hash, run_profile
 from sparrow.options import (
@@ -53,6 +54,10 @@ class ProfileConfig:
     length_origin: str = option("total", "bin by 'total' cached length (prompt + generated, as schedules do) or "
                                 "'generated' position")
     chat: bool = option(False, "apply the chat template to text prompts")
+    rollout_mode: str = option("sparse", "sparse: teacher-force each schedule's rollouts through the sparse actor; "
+                               "exact: sample in exact mode and keep the acceptance each drafted token had while "
+                               "decoding (the drafter's, for `calibrate --rollout-mode exact`)")
+    draft_tokens: int = option(4, "exact mode: tokens drafted per dense verification (0: auto)")
     out: str = option("runs/profile", "output directory (profile.json, profile.csv, plots, raw per-token values)")
     parsed_schedules: dict[str, Schedule] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -60,6 +65,12 @@ class ProfileConfig:
         for part in (self.model, self.sparse, self.sampling):
             part.validate()
         self.rewards.validate(default=())
+        if self.rollout_mode not in ("sparse", "exact"):
+            raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
+        check_draft_tokens(self.draft_tokens)
+        if self.rollout_mode == "exact" and self.rollout.backend == "vllm":
+            raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
+                               "workers), not in vLLM: see docs/exact-mode.md")
         self.rollout.validate(self.model.device)
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")
@@ -116,6 +127,8 @@ def run(args) -> int:
         "sparse": dataclasses.asdict(sparse), "dtype": config.model.dtype,
         "prompt_tokens_mean": sum(len(encode_prompt(tokenizer, p, config.chat)) for p in prompts) / len(prompts),
         **({"reward": config.rewards.names, "answers_hash": answers_hash(examples)} if rewards else {}),
+        **({"rollout": {"mode": "exact", "draft_tokens": config.draft_tokens}}
+           if config.rollout_mode == "exact" else {}),
     }
     if sampling.top_k:
         meta["sampling"]["top_k"] = sampling.top_k

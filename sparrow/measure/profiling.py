@@ -22,6 +22,7 @@ import numpy as np
 
 from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
+from sparrow.engine.exact import check_draft_tokens, exact_summary
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, atomic_write_text
 from sparrow.measure.acceptance import teacher_forced_acceptance
@@ -140,20 +141,31 @@ def answers_hash(examples: list) -> str:
 
 def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling: SamplingParams,
                      samples_per_prompt: int, sparse: SparseConfig, progress: bool = False,
-                     reward=None) -> ScheduleSample:
+                     reward=None, draft_tokens: int | None = None, log=print) -> ScheduleSample:
     """Sample with `schedule` from `backend`, then measure each token's exact acceptance against the dense policy
     by teacher-forcing the tokens through `model` (sparse actor with its adapter, dense policy without).
-    `reward` (completions -> one reward each), when given, scores the completions too."""
-    completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress)
-    alphas = teacher_forced_acceptance(model, completions, schedule, sparse, sampling.logprob_temperature,
-                                       progress=progress)
+    `reward` (completions -> one reward each), when given, scores the completions too. `draft_tokens`: exact mode
+    instead (the schedule drafts, the dense policy verifies), whose drafted tokens carry the acceptance of the
+    draft against the dense distribution from decoding itself: those are the values kept, no teacher-forced pass."""
+    exact = draft_tokens is not None and not schedule.is_dense
+    completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress,
+                                   **({"draft_tokens": draft_tokens} if exact else {}))
+    if exact:
+        summary = exact_summary(completions)
+        log(f"    exact mode: {summary['tokens_per_verify']:.2f} tokens per verification, coupled acceptance "
+            f"{summary['coupled_acceptance']:.3f}")
+        alphas = [c.draft_acceptance for c in completions]
+    else:
+        alphas = teacher_forced_acceptance(model, completions, schedule, sparse, sampling.logprob_temperature,
+                                           progress=progress)
     alpha, total, generated, budget = [], [], [], []
     for c, values in zip(completions, alphas):
+        kept = np.array([v is not None for v in values], dtype=bool)
         n = len(c.token_ids)
-        alpha.append(np.asarray(values, dtype=np.float64))
-        generated.append(np.arange(n))
-        total.append(len(c.prompt_token_ids) + np.arange(n))
-        budget.append(np.asarray(c.kv_budget))
+        alpha.append(np.asarray([v for v in values if v is not None], dtype=np.float64))
+        generated.append(np.arange(n)[kept])
+        total.append((len(c.prompt_token_ids) + np.arange(n))[kept])
+        budget.append(np.asarray(c.kv_budget)[kept])
     rewards = None if reward is None else np.asarray(reward(completions), dtype=np.float64)
     return ScheduleSample(*(np.concatenate(parts) for parts in (alpha, total, generated, budget)), rewards)
 
@@ -240,7 +252,8 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
     out_dir.mkdir(parents=True, exist_ok=True)
     key = json.loads(json.dumps({**{k: meta[k] for k in ("model", "prompts_hash", "sampling", "samples_per_prompt",
                                                         "sparse", "chat", "dtype")}, "adapter": meta.get("adapter"),
-                      "reward": meta.get("reward"), "answers_hash": meta.get("answers_hash")}))
+                      "reward": meta.get("reward"), "answers_hash": meta.get("answers_hash"),
+                      "rollout": meta.get("rollout")}))
     key_path = out_dir / "run_key.json"
     if key_path.exists():
         previous = _read_run_key(key_path)
@@ -259,6 +272,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
             continue
         log(f"[{number}/{len(schedules)}] {name}: sampling {len(prompts) * samples_per_prompt} completions")
         samples[name] = profile_schedule(backend, model, prompts, schedule, sampling, samples_per_prompt, sparse,
+                                         draft_tokens=meta.get("rollout", {}).get("draft_tokens"), log=log,
                                          progress=True, reward=reward)
         samples[name].save(path)
         log(f"    mean alpha {samples[name].alpha.mean():.4f} over {samples[name].alpha.size} tokens")

@@ -96,3 +96,29 @@ def test_calibrate_command_writes_a_schedule_the_engine_accepts(prompts_file, tm
     assert main(["schedule", "show", str(schedule_path), "--json"]) == 0
     bins = json.loads(capsys.readouterr().out)
     assert bins[0]["start"] == 0 and all(b["kv_budget"] % 16 == 0 for b in bins)
+
+
+def test_exact_mode_profiles_the_drafters_acceptance_recorded_while_decoding(llama, prompts_file, tmp_path, capsys):
+    model, tok = llama
+    backend = NativeBackend(model, tok)
+    prompts = random_prompts([150, 90], seed=8)
+    sampling = SamplingParams(max_new_tokens=20, seed=0, ignore_eos=True)
+    exact = profile_schedule(backend, model, prompts, const(48), sampling, 2, SparseConfig(), draft_tokens=3,
+                             log=lambda *_: None)
+    completions = backend.generate(prompts, sampling, const(48), 2, draft_tokens=3)
+    recorded = [a for c in completions for a in c.draft_acceptance if a is not None]
+    np.testing.assert_allclose(exact.alpha, recorded)  # no teacher-forced pass: the values decoding recorded
+    assert 0 < exact.alpha.size < 4 * 20 and exact.alpha.size == exact.kv_budget.size == exact.total_position.size
+
+    out = tmp_path / "prof"
+    code = main(["profile", "--model", "tiny-llama", "--prompts", str(prompts_file), "--schedules", "const:48,dense",
+                 "--samples-per-prompt", "2", "--max-new-tokens", "24", "--bin-size", "64", "--out", str(out),
+                 "--rollout-mode", "exact", "--draft-tokens", "3"])
+    assert code == 0 and "tokens per verification" in capsys.readouterr().out
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["meta"]["rollout"] == {"mode": "exact", "draft_tokens": 3}
+    assert profile["schedules"]["const:48"]["overall"]["mean"] < 1.0
+    _profile(prompts_file, tmp_path / "other", "dense", capsys)
+    code = main(["profile", "--model", "tiny-llama", "--prompts", str(prompts_file), "--schedules", "const:48",
+                 "--samples-per-prompt", "2", "--max-new-tokens", "24", "--bin-size", "64", "--out", str(out)])
+    assert code == 2 and "rollout" in capsys.readouterr().err  # a sparse-mode resume of an exact profile
