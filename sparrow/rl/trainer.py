@@ -121,6 +121,12 @@ def _train(config: TrainConfig, log) -> list[dict]:
             f"rollouts are the dense policy's own samples, so the TIS weights ({config.grpo.tis_mode}) are 1 and "
             "the reward check is off; the monitor reads each drafted token's acceptance (no teacher-forced pass)")
     try:
+        held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
+                    if config.eval.data is not None else None)
+        positions = getattr(policy.model.config, "max_position_embeddings", None)
+        for name, path, checked in (("data", config.data.path, rows),
+                                    ("eval_data", config.eval.data, held_out or [])):
+            _check_lengths(checked, tokenizer, config.sampling.max_new_tokens, positions, name, path)
         controller = _controller(config, policy, backend, examples, probes, tokenizer)
         adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
         start = 0
@@ -134,8 +140,6 @@ def _train(config: TrainConfig, log) -> list[dict]:
 
         board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
         rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
-        held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
-                    if config.eval.data is not None else None)
         if held_out is not None and start == 0 and config.eval.at_start:
             _evaluate(config, backend, held_out, rewards, 0, out, board, log)
         for step in range(start, grpo.steps):
@@ -170,6 +174,20 @@ def _worker_line(metrics: dict) -> str:
     rates = [f"{v:.0f}" for k, v in sorted(metrics.items()) if k.startswith("rollout/worker_")]
     return (f"  (workers: sync {metrics['rollout/sync_s']:.1f}s, gather {metrics.get('rollout/gather_s', 0):.2f}s, "
             f"tokens/s {' '.join(rates)})")
+
+
+def _check_lengths(examples: list, tokenizer, max_new_tokens: int, positions: int | None, name: str,
+                   path: str) -> None:
+    """Every row's prompt plus max_new_tokens within the model's positions, checked before the first step (a row
+    past them would otherwise stop the run at the step that first draws it)."""
+    if not positions:
+        return
+    for ex in examples:
+        length = len(encode_prompt(tokenizer, ex.prompt))
+        if length + max_new_tokens > positions:
+            raise SparrowError(f"{name} {path!r}: row {ex.index} (counted from 0) has {length} prompt tokens; with "
+                               f"max_new_tokens {max_new_tokens} that exceeds the model's {positions} positions; "
+                               "shorten or drop the row, or lower --max-new-tokens")
 
 
 def _controller(config: TrainConfig, policy: Policy, backend, examples: list, probes: list, tokenizer):

@@ -28,6 +28,8 @@ def files(tmp_path_factory) -> Path:
     (root / "null-answer.jsonl").write_text("".join(json.dumps({**row, "answer": None} if i == 1 else row) + "\n"
                                                     for i, row in enumerate(rows)))
     (root / "no-answers.jsonl").write_text("".join(json.dumps({"prompt": row["prompt"]}) + "\n" for row in rows))
+    long = rows + [{"prompt": "x " * 9000, "answer": "1"}]
+    (root / "too-long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in long))
     return root
 
 
@@ -79,6 +81,19 @@ CASES = [
     ("train-wire-dtype-without-workers", TRAIN + ["--wire-dtype", "bfloat16"],
      "wire_dtype 'bfloat16' is how weights travel to Ray rollout workers, and there are none"),
 ]
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param([*TRAIN[:4], "{files}/too-long.jsonl", *TRAIN[5:]], "data '{files}/too-long.jsonl': row 3", id="data"),
+    pytest.param(TRAIN + ["--eval-data", "{files}/too-long.jsonl"], "eval_data '{files}/too-long.jsonl': row 3",
+                 id="eval-data"),
+])
+def test_a_row_past_the_context_stops_training_before_the_first_step(argv, message, files, tmp_path, monkeypatch,
+                                                                     capsys, request):
+    check_refused(argv, message + " (counted from 0) has 18000 prompt tokens; with max_new_tokens 4 that exceeds the "
+                  "model's 8192 positions; shorten or drop the row, or lower --max-new-tokens", False, files, tmp_path,
+                  monkeypatch, capsys, request)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran
 
 
 @pytest.mark.parametrize("argv, message", [pytest.param(*c[1:], id=c[0]) for c in CASES])
