@@ -139,6 +139,11 @@ def eligible_schedules(profile: dict, min_retention: float) -> list[str]:
         raise SparrowError(f"min_retention must be in (0, 1], got {min_retention}")
     retention = profile_retention(profile)
     eligible = [n for n, r in retention.items() if r.value is not None and r.value >= min_retention]
+    if retention and all(r.value is None for r in retention.values()):
+        dense = next(iter(retention.values())).dense_mean
+        raise SparrowError(f"the profile's dense policy has mean reward {dense}, so no retention is defined (n/a "
+                           "for every schedule) and larger budgets cannot help: profile prompts the dense policy "
+                           "solves sometimes, or a reward that scores them, or calibrate without --min-retention")
     if not eligible:
         found = ", ".join(f"{n} {'n/a' if r.value is None else f'{r.value:.3f}'}" for n, r in retention.items())
         raise SparrowError(f"no profiled schedule keeps a reward retention of {min_retention} ({found}); profile "

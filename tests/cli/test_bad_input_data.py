@@ -189,3 +189,18 @@ def test_saved_profile_files_are_checked_whole(tmp_path):
         assert str(caught.value) == (f"{dense} is damaged: it {problem}; remove it to sample the dense policy's "
                                      "rewards again")
     assert read_dense_rewards(dense).tolist() == [1.0, 0.5]
+
+
+def test_calibrate_does_not_advise_larger_budgets_when_the_dense_reward_is_zero():
+    from sparrow.measure.calibration import calibrate
+    from tests.measure.test_reward_calibration import TABLE, _profile
+
+    profile = _profile(TABLE, {budget: (None, None, None) for budget in TABLE})
+    for spec in profile["schedules"].values():
+        spec["reward"]["dense_mean"] = spec["reward"]["retention"]["dense_mean"] = 0.0
+    with pytest.raises(SparrowError) as caught:
+        calibrate(profile, 0.86, min_retention=0.9)
+    assert str(caught.value) == (
+        "the profile's dense policy has mean reward 0.0, so no retention is defined (n/a for every schedule) and "
+        "larger budgets cannot help: profile prompts the dense policy solves sometimes, or a reward that scores "
+        "them, or calibrate without --min-retention")
