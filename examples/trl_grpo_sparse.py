@@ -8,8 +8,8 @@ cheapest rung whose 5th percentile holds --tau; the plugin follows the schedule 
 next engine step. The task is Sparrow's passkey task, one prompt a step, scored by --reward (default
 `first_number`; any `sparrow train --reward` spec that scores text).
 
-    .venv/bin/python examples/trl_grpo_sparse.py          # quick: 2 steps, 4 completions, adaptive from the
-                                                          # calibrated schedule (sparse from step 1)
+    .venv/bin/python examples/trl_grpo_sparse.py          # quick: 2 steps, 4 completions of 640-token prompts,
+                                                          # adaptive from the calibrated schedule (sparse at once)
     .venv/bin/python examples/trl_grpo_sparse.py --full   # 10 steps, 8 completions, adaptive from dense
     .venv/bin/python examples/trl_grpo_sparse.py --schedule 0:512,3584:1024   # the calibrated schedule, fixed
 
@@ -30,8 +30,10 @@ from sparrow.errors import SparrowError
 
 
 # The presets' values of the options they set; an option given on the command line wins.
-QUICK = {"steps": 2, "num_generations": 4, "max_completion_length": 32, "adaptive_start": "0:512,3584:1024"}
-FULL = {"steps": 10, "num_generations": 8, "max_completion_length": 48, "adaptive_start": "dense"}
+QUICK = {"steps": 2, "num_generations": 4, "prompt_tokens": 640, "max_completion_length": 24,
+         "adaptive_start": "0:512,3584:1024"}
+FULL = {"steps": 10, "num_generations": 8, "prompt_tokens": 1024, "max_completion_length": 48,
+        "adaptive_start": "dense"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adaptive-patience", type=int, default=2, help="steps of evidence before a move")
     parser.add_argument("--steps", type=int, help=f"GRPO steps (preset: quick {QUICK['steps']}, full {FULL['steps']})")
     parser.add_argument("--output-dir", default="runs/trl-grpo-sparse")
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="minimum passkey prompt length in tokens")
+    parser.add_argument("--prompt-tokens", type=int, help="minimum passkey prompt length in tokens (preset: quick "
+                        f"{QUICK['prompt_tokens']}, full {FULL['prompt_tokens']})")
     parser.add_argument("--num-generations", type=int,
                         help="completions per prompt, one prompt a step (preset: quick "
                              f"{QUICK['num_generations']}, full {FULL['num_generations']})")
@@ -105,8 +108,10 @@ def step_counts(counts: dict):
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
+                from tqdm.auto import tqdm
+
                 calls = counts["per_step"][-1]["calls"] if counts["per_step"] else 0
-                print(step_line(state.global_step, state.max_steps, logs, calls), flush=True)
+                tqdm.write(step_line(state.global_step, state.max_steps, logs, calls), file=sys.stdout)
 
     return StepCounts()
 

@@ -289,10 +289,11 @@ def load_example():
 def test_the_example_is_quick_by_default_and_full_on_request_any_option_winning():
     example = load_example()
     quick = example.parse_args([])
-    assert (quick.steps, quick.num_generations, quick.max_completion_length, quick.adaptive_start) == (
-        2, 4, 32, "0:512,3584:1024")
+    assert (quick.steps, quick.num_generations, quick.prompt_tokens, quick.max_completion_length,
+            quick.adaptive_start) == (2, 4, 640, 24, "0:512,3584:1024")  # 640 > 512: sparse from the first step
     full = example.parse_args(["--full"])
-    assert (full.steps, full.num_generations, full.max_completion_length, full.adaptive_start) == (10, 8, 48, "dense")
+    assert (full.steps, full.num_generations, full.prompt_tokens, full.max_completion_length, full.adaptive_start) == (
+        10, 8, 1024, 48, "dense")
     mixed = example.parse_args(["--full", "--steps", "3", "--adaptive-start", "const:256"])
     assert (mixed.steps, mixed.num_generations, mixed.adaptive_start) == (3, 8, "const:256")
 
