@@ -96,6 +96,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def save_figure(fig, path: str | os.PathLike, **kwargs) -> Path:
+    """`fig.savefig(path, **kwargs)`, an OSError naming the file: a full disk shows at a write, whose error names
+    none ("[Errno 28] No space left on device")."""
+    try:
+        fig.savefig(path, **kwargs)
+    except OSError as err:
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from None
+        raise
+    return Path(path)
+
+
 def atomic_write_json(path: str | os.PathLike, data) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 

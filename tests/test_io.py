@@ -86,3 +86,18 @@ def test_non_utf8_jsonl_is_one_message(tmp_path):
     path.write_bytes(b'{"prompt": "caf\xe9"}\n')
     with pytest.raises(SparrowError, match=r"prompts.jsonl:1: not UTF-8 text"):
         read_jsonl(path)
+
+
+def test_a_figure_that_cannot_be_written_names_its_file(tmp_path):
+    from sparrow.io import save_figure
+
+    class FullDisk:
+        def savefig(self, path, **kwargs):
+            raise OSError(28, "No space left on device")  # as a write fails: no file named
+
+    with pytest.raises(OSError) as caught:
+        save_figure(FullDisk(), tmp_path / "plot.png", dpi=100)
+    assert (caught.value.errno, caught.value.filename) == (28, str(tmp_path / "plot.png"))
+    from sparrow.cli import _one_line
+
+    assert _one_line(caught.value) == f"{str(tmp_path / 'plot.png')!r}: No space left on device"

@@ -24,7 +24,7 @@ from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
 from sparrow.engine.exact import check_draft_tokens, exact_summary
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_json, atomic_write_text
+from sparrow.io import atomic_write_json, atomic_write_text, save_figure
 from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.measure.calibration import check_profile
 from sparrow.measure.retention import reward_retention
@@ -222,7 +222,7 @@ def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample
     ax.legend(fontsize=8)
     fig.tight_layout()
     p5_path = out_dir / "p5_vs_length.png"
-    fig.savefig(p5_path, dpi=120)
+    save_figure(fig, p5_path, dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -236,7 +236,7 @@ def plot_profile(out_dir: Path, summary: dict, samples: dict[str, ScheduleSample
     ax.legend(fontsize=8)
     fig.tight_layout()
     hist_path = out_dir / "alpha_hist.png"
-    fig.savefig(hist_path, dpi=120)
+    save_figure(fig, hist_path, dpi=120)
     plt.close(fig)
     return [p5_path, hist_path]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import median
 
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_text, read_jsonl
+from sparrow.io import atomic_write_text, read_jsonl, save_figure
 from sparrow.measure.retention import paired_difference
 
 PHASES = ("rollout", "reward", "recompute", "update")
@@ -83,7 +83,7 @@ def _plot_curves(runs: dict, keys: list[tuple[str, str]], path: Path, title: str
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -151,7 +151,7 @@ def _plot_reward_vs_rollout_time(runs: dict, evals: dict, path: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle("Reward vs rollout time")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -246,7 +246,7 @@ def _plot_phases(runs: dict, path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     fig.suptitle("Time per phase")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -279,7 +279,7 @@ def _retention(runs: dict, path: Path) -> list[str]:
     ax.legend(fontsize=8)
     fig.suptitle("Reward retention on paired samples (95% interval)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     lines = ["", "Reward check (sparse over dense mean reward of paired samples; median over the check steps):", ""]
     lines += [f"- {name}: retention {median(r[RETENTION] for r in rows):.3f} over {len(rows)} checks, check "
