@@ -35,7 +35,7 @@ from pathlib import Path
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, env_int
-from sparrow.schedules import DENSE, Schedule, parse_schedule, read_schedule_file
+from sparrow.schedules import DEFAULT_KEPT_PAGES, DENSE, Schedule, parse_schedule, read_schedule_file
 
 ENV_SCHEDULE = "SPARROW_VLLM_SCHEDULE"
 ENV_LANDMARK = "SPARROW_VLLM_LANDMARK"
@@ -171,12 +171,14 @@ def read_schedule(path: str | os.PathLike, sparse: SparseConfig) -> tuple[Schedu
     return schedule, version
 
 
-def write_schedule(path: str | os.PathLike, schedule: Schedule, version: int, page_size: int = 16) -> Path:
+def write_schedule(path: str | os.PathLike, schedule: Schedule, version: int, page_size: int = 16,
+                   always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Path:
     """The writer's side of a followed schedule file: `schedule` as `{"name", "page_size", "version", "bins"}`,
-    replaced atomically, so the plugin never reads half a file."""
+    replaced atomically, so the plugin never reads half a file. Refused here, as the plugin would refuse it, when
+    a budget is not whole pages or holds fewer than the `always_kept_pages` (sink and recent) pages."""
     if type(version) is not int or version < 0:
         raise SparrowError(f"schedule version {version!r} is not an integer >= 0")
-    schedule.validate(page_size, 0)
+    schedule.validate(page_size, always_kept_pages)
     return atomic_write_json(path, {"name": schedule.name, "page_size": page_size, "version": version,
                                     "bins": schedule.to_json()})
 

@@ -100,3 +100,11 @@ def test_backend_vllm_refuses_a_followed_file_it_would_overwrite(tmp_path):
         f"SPARROW_VLLM_SCHEDULE='@{path}' asks the plugin to follow a schedule file, which --backend vllm does not "
         "do: the command's --schedule sets the plugin's schedule; unset SPARROW_VLLM_SCHEDULE (to run the file's "
         f"schedule, pass --schedule {path})")
+
+
+def test_a_schedule_file_the_plugin_would_refuse_is_refused_when_written(tmp_path):
+    with pytest.raises(SparrowError) as caught:
+        plugin_config.write_schedule(tmp_path / "schedule.json", plugin_config.parse_schedule("const:32", 16, 0), 1)
+    assert str(caught.value).startswith("schedule 'const:32': bin 0 budget 32 is below 48 tokens (the 3 always-kept "
+                                        "pages of 16 tokens)")
+    assert not (tmp_path / "schedule.json").exists()
