@@ -58,6 +58,8 @@ def run(args) -> int:
     _check_fits(config, "at least", max(targets), context)  # before building prompts that long
     extra = {} if config.codes is None else {"codes": config.codes}
     rows = get_task(config.task)(config.count, targets, config.seed, tokenizer, **extra)
+    if config.codes is not None:
+        _check_answer_fits(config, rows, tokenizer, context)
     _check_fits(config, "up to", max(prompt_length(tokenizer, row["prompt"]) for row in rows), context)
     text = "".join(json.dumps(row) + "\n" for row in rows)
     if config.out:
@@ -65,6 +67,20 @@ def run(args) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _check_answer_fits(config: PromptsConfig, rows: list[dict], tokenizer, context: int) -> None:
+    """Refuse manifests whose answer (the codes again, numbered) no longer fits after the prompt: --codes sets both
+    the prompt's manifest and the answer's length, so only fewer codes help once the manifest alone fills half."""
+    answer = max(len(tokenizer("\n".join(f"{i}. {c}" for i, c in enumerate(row["answer"], start=1)),
+                               add_special_tokens=False)["input_ids"]) for row in rows)
+    longest = max(prompt_length(tokenizer, row["prompt"]) for row in rows)
+    if longest + answer > context and not (longest >= context and 2 * answer < context):  # else: min_tokens
+        asked = "max_tokens" if config.max_tokens is not None else "min_tokens"
+        hint = "fewer --codes" if 2 * answer >= context else f"fewer --codes or a smaller {asked}"
+        raise SparrowError(f"codes {config.codes} make an answer of {answer} tokens (the manifest, copied), which "
+                           f"after prompts of up to {longest} tokens does not fit model {config.model!r}'s "
+                           f"max_position_embeddings {context}; expected {hint}")
 
 
 def _check_fits(config: PromptsConfig, bound: str, tokens: int, context: int) -> None:

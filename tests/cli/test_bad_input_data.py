@@ -41,7 +41,7 @@ PROFILE = ["profile", "--model", "tiny-qwen3", "--out", "{tmp}/profile", "--sche
            "--max-new-tokens", "4", "--prompts"]
 LINE_2 = f"surrogate.jsonl:2: prompt holds a {SURROGATE}"
 
-# (id, argv, text the message must hold); every one is refused before any model loads
+# (id, argv, text the message must hold); every one but prompts' is refused before any model loads
 CASES = [
     ("generate-prompt-arg", GEN + ["--prompt", "ab \ud800 c"], f"--prompt holds a {SURROGATE}"),
     ("generate-prompts-file", GEN + ["--prompts", "{files}/surrogate.jsonl"], LINE_2),
@@ -58,6 +58,13 @@ CASES = [
      "--reward"),
     ("profile-reward-no-answers", PROFILE + ["{files}/no-answers.jsonl", "--reward", "math"],
      "reward 'math' compares with each row's 'answer', but 3 row(s) of prompts file"),
+    ("prompts-codes-500", ["prompts", "--model", "tiny-qwen3", "--task", "manifest", "--count", "1", "--codes", "500",
+                           "--out", "{tmp}/p.jsonl"],
+     "codes 500 make an answer of 5391 tokens (the manifest, copied), which after prompts of up to 14364 tokens does "
+     "not fit model 'tiny-qwen3''s max_position_embeddings 8192; expected fewer --codes"),  # not min_tokens
+    ("prompts-codes-1000", ["prompts", "--model", "tiny-qwen3", "--task", "manifest", "--count", "1", "--codes", "1000",
+                            "--min-tokens", "100", "--out", "{tmp}/p.jsonl"],
+     "codes 1000 make an answer of 10892 tokens"),
     ("train-reward-check-samples-above-group", TRAIN + ["--reward-check-samples", "100"],
      "reward_check_samples 100 exceeds num_generations 2: the reward check pairs dense samples with the samples of "
      "a rollout group; expected at most 2"),
@@ -99,7 +106,10 @@ def test_a_row_past_the_context_stops_training_before_the_first_step(argv, messa
 @pytest.mark.parametrize("argv, message", [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_bad_data_or_option_is_one_line_and_exit_code_2(argv, message, files, tmp_path, monkeypatch, capsys,
                                                         request):
-    check_refused(argv, message, True, files, tmp_path, monkeypatch, capsys, request)
+    before_load = argv[0] != "prompts"  # prompts measure their length with the model's tokenizer
+    check_refused(argv, message, before_load, files, tmp_path, monkeypatch, capsys, request)
+    if argv[0] == "prompts":
+        assert not (tmp_path / "p.jsonl").exists()
 
 
 def test_the_data_report_names_the_line_and_the_character(files):
