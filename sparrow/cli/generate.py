@@ -59,6 +59,12 @@ class GenerateConfig:
         check_int("seed", self.seed, 0)
 
 
+def _progress(json_output: bool) -> bool:
+    """Whether to draw the progress bar (on stderr): always without --json; with it, when stderr is a terminal, so
+    a long --json run into a file or pipe is not silent for minutes (scripts reading stderr still get none)."""
+    return not json_output or sys.stderr.isatty()
+
+
 def run(args) -> int:
     config = load_config(GenerateConfig, args)
     prompts = [config.prompt] if config.prompt is not None else read_prompts(config.prompts)
@@ -67,7 +73,7 @@ def run(args) -> int:
     try:
         completions = backend.generate(as_chat(prompts) if config.chat else prompts,
                                        config.sampling.params(config.seed), config.sparse.parsed_schedule,
-                                       config.num_samples, progress=not config.json,
+                                       config.num_samples, progress=_progress(config.json),
                                        prompt_keys=content_keys(prompts), draft_tokens=config.sparse.draft)
     finally:
         backend.close()

@@ -214,3 +214,17 @@ def test_calibrate_does_not_advise_larger_budgets_when_the_dense_reward_is_zero(
         "the profile's dense policy has mean reward 0.0, so no retention is defined (n/a for every schedule) and "
         "larger budgets cannot help: profile prompts the dense policy solves sometimes, or a reward that scores "
         "them, or calibrate without --min-retention")
+
+
+def test_generate_json_shows_progress_on_a_terminal_and_none_in_a_pipe(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from sparrow.cli import main
+
+    argv = ["generate", "--model", "tiny-qwen3", "--prompt", "hello", "--max-new-tokens", "3", "--json"]
+    assert main(argv) == 0
+    assert "generating" not in capsys.readouterr().err  # stderr read by a script: quiet
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "generating" in err and len(out.splitlines()) == 1 and json.loads(out)["prompt_index"] == 0
