@@ -12,6 +12,8 @@ next engine step. The task is Sparrow's passkey task, one prompt a step, scored 
                                                           # adaptive from the calibrated schedule (sparse at once)
     .venv/bin/python examples/trl_grpo_sparse.py --full   # 10 steps, 8 completions, adaptive from dense
     .venv/bin/python examples/trl_grpo_sparse.py --schedule 0:512,3584:1024   # the calibrated schedule, fixed
+    .venv/bin/python examples/trl_grpo_sparse.py --steps 1 --schedule const:48 --is-mode sequence_mask
+                                                          # TRL's default correction, to compare its IS weights
 
 Any option given overrides the preset's value. It prints one line per step as it ends (reward, loss, the exact
 p5, the schedule in force, the sparse decode calls, the step's time and the monitor's share of it), then TRL's
@@ -62,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reward", default="first_number", help="a reward spec as `sparrow train --reward` takes")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--tis-cap", type=float, default=2.0, help="upper bound of TRL's per-token IS ratio")
+    parser.add_argument("--is-mode", default="token_truncate",
+                        help="TRL's vllm_importance_sampling_mode (token_truncate: Sparrow's TIS; sequence_mask: TRL's "
+                             "default, to compare)")
     args = parser.parse_args(argv)
     for name, value in (FULL if args.full else QUICK).items():
         if getattr(args, name) is None:
@@ -170,7 +175,8 @@ def run(args: argparse.Namespace) -> None:
 
     sparrow = SparrowConfig(schedule=args.schedule, tau=args.tau, bin_size=args.bin_size,
                             adaptive_start=args.adaptive_start, adaptive_min_tokens=args.adaptive_min_tokens,
-                            adaptive_patience=args.adaptive_patience)
+                            adaptive_patience=args.adaptive_patience,
+                            correction="trl")  # the GRPOConfig below names the mode (--is-mode): kept as given
     if args.steps < 1:
         raise SparrowError(f"--steps {args.steps}: expected at least 1")
 
@@ -194,7 +200,7 @@ def run(args: argparse.Namespace) -> None:
         per_device_train_batch_size=args.num_generations, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, temperature=1.0,
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=longest + args.max_completion_length,
-        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=args.is_mode,
         vllm_importance_sampling_clip_max=args.tis_cap)
     trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=text_reward(args.reward), args=config,
                                  train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,

@@ -294,6 +294,8 @@ def test_the_example_is_quick_by_default_and_full_on_request_any_option_winning(
     full = example.parse_args(["--full"])
     assert (full.steps, full.num_generations, full.prompt_tokens, full.max_completion_length, full.adaptive_start) == (
         10, 8, 1024, 48, "dense")
+    assert quick.is_mode == "token_truncate" and example.parse_args(["--is-mode", "sequence_mask"]).is_mode == (
+        "sequence_mask")
     mixed = example.parse_args(["--full", "--steps", "3", "--adaptive-start", "const:256"])
     assert (mixed.steps, mixed.num_generations, mixed.adaptive_start) == (3, 8, "const:256")
 
