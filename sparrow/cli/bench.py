@@ -60,6 +60,11 @@ class BenchConfig:
                                 or self.block_size % self.sparse.page_size):
             raise SparrowError(f"--block-size {self.block_size}: needs --backend vllm and a multiple of 16 and of the "
                                f"page size ({self.sparse.page_size})")
+        longest = cache_tokens(self.context, self.warmup, self.steps)
+        if self.block_size > longest + 16:
+            raise SparrowError(f"--block-size {self.block_size} is longer than the benchmark's sequences "
+                               f"({longest} tokens): expected at most {longest - longest % 16 + 16}; one block "
+                               "would hold more than a whole sequence")
         if self.sparse.exact and (self.backend != "native" or self.stock or self.block_size):
             raise SparrowError("--rollout-mode exact benchmarks our engine on real text: it takes no --backend vllm, "
                                "--stock or --block-size")

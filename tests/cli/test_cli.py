@@ -38,6 +38,8 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
     (["bench", "--model", "tiny-llama", "--schedule", "dense"], "other than 'dense'"),
     (["bench", "--model", "tiny-llama", "--block-size", "128"], "--block-size 128: needs --backend vllm"),
     (["bench", "--model", "tiny-llama", "--backend", "vllm", "--block-size", "40"], "a multiple of 16"),
+    (["bench", "--model", "tiny-llama", "--backend", "vllm", "--block-size", "1048576", "--context", "512"],
+     "--block-size 1048576 is longer than the benchmark's sequences"),
     (["bench", "--model", "tiny-llama", "--rollout-mode", "exact", "--backend", "vllm"], "takes no --backend vllm"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--rollout-mode", "exact"], "drafts with a sparse"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--rollout-mode", "fast"], "unknown rollout mode 'fast'"),
