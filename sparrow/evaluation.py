@@ -30,7 +30,7 @@ def evaluate(backend, examples: list[Example], reward_fns: list, schedule: Sched
     length, and the 95% interval of mean@k over prompts (`mean_low`, `mean_high`; prompts are the independent
     units). `draft_tokens`: exact mode (the schedule drafts, the dense policy decides)."""
     completions = backend.generate([ex.prompt for ex in examples], sampling, schedule, k, adapter=adapter,
-                                   progress=progress, **({"draft_tokens": draft_tokens} if draft_tokens is not None else {}))
+                                   progress=progress, draft_tokens=draft_tokens)
     totals = score_examples(reward_fns, examples, completions).totals
     per_example = [totals[i * k:(i + 1) * k] for i in range(len(examples))]
     passed = [sum(r >= threshold for r in rewards) for rewards in per_example]

@@ -208,10 +208,10 @@ class RolloutSection:
                                          "divided by the workers)")
     max_batch_size: int = option(64, "most sequences decoded together by a rollout engine")
 
-    def validate(self, device: str, sparse: ScheduledSparseSection | None = None) -> None:
-        """`device`: the model section's, which decides whether local Ray workers need GPUs; `sparse`: the
-        command's schedule section, whose rollout mode the backend must support."""
-        if sparse is not None and sparse.exact and self.backend == "vllm":
+    def validate(self, device: str, exact: bool = False) -> None:
+        """`device`: the model section's, which decides whether local Ray workers need GPUs; `exact`: whether the
+        command rolls out in exact mode, which the backend must support."""
+        if exact and self.backend == "vllm":
             raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
                                "workers), not in vLLM: see docs/exact-mode.md")
         workers = check_rollout_workers(self.workers, self.ray_address, device)

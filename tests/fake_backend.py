@@ -12,7 +12,7 @@ class ReplayBackend:
         self.synced, self.closed, self.calls = [], False, []
 
     def generate(self, prompts, sampling, schedule, num_samples=1, *, prompt_keys=None, adapter=True,
-                 progress=False):
+                 progress=False, draft_tokens=None):
         self.calls.append((len(prompts), num_samples, schedule))
         assert len(self.completions) == len(prompts) * num_samples
         return copy.deepcopy(self.completions)

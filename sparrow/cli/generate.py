@@ -48,7 +48,7 @@ class GenerateConfig:
     def validate(self) -> None:
         for part in (self.model, self.sparse, self.sampling):
             part.validate()
-        self.rollout.validate(self.model.device, self.sparse)
+        self.rollout.validate(self.model.device, self.sparse.exact)
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if self.prompts is not None:

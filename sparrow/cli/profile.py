@@ -68,10 +68,7 @@ class ProfileConfig:
         if self.rollout_mode not in ("sparse", "exact"):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
         check_draft_tokens(self.draft_tokens)
-        if self.rollout_mode == "exact" and self.rollout.backend == "vllm":
-            raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
-                               "workers), not in vLLM: see docs/exact-mode.md")
-        self.rollout.validate(self.model.device)
+        self.rollout.validate(self.model.device, self.rollout_mode == "exact")
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")
         require_file(self.prompts, "prompts file")

@@ -149,7 +149,7 @@ def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling
     draft against the dense distribution from decoding itself: those are the values kept, no teacher-forced pass."""
     exact = draft_tokens is not None and not schedule.is_dense
     completions = backend.generate(prompts, sampling, schedule, samples_per_prompt, progress=progress,
-                                   **({"draft_tokens": draft_tokens} if exact else {}))
+                                   draft_tokens=draft_tokens if exact else None)
     if exact:
         summary = exact_summary(completions)
         log(f"    exact mode: {summary['tokens_per_verify']:.2f} tokens per verification, coupled acceptance "

@@ -71,8 +71,8 @@ class TrainRolloutSection(RolloutSection):
     wire_dtype: str | None = option(None, "dtype of the weights sent to Ray workers (bfloat16 halves the bytes; "
                                     "workers compute in --dtype)")
 
-    def validate(self, device: str, sparse=None) -> None:
-        super().validate(device, sparse)
+    def validate(self, device: str, exact: bool = False) -> None:
+        super().validate(device, exact)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
             if not self.workers:
@@ -278,7 +278,7 @@ class TrainConfig:
         for part in (self.model, self.sparse, self.sampling, self.data, self.grpo, self.monitor, self.adaptive,
                      self.eval, self.run):
             part.validate()
-        self.rollout.validate(self.model.device, self.sparse)
+        self.rollout.validate(self.model.device, self.sparse.exact)
         distill = self.distill
         adaptive = self.sparse.schedule == ADAPTIVE
         schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)

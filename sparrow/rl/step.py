@@ -129,9 +129,8 @@ def check_samples(cfg: StepConfig) -> int:
 
 def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
     with _Clock(step, "rollout"):
-        exact = {"draft_tokens": cfg.draft_tokens} if cfg.draft_tokens is not None else {}
         step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
-                                            step.schedule, cfg.grpo.num_generations, **exact)
+                                            step.schedule, cfg.grpo.num_generations, draft_tokens=cfg.draft_tokens)
     for phase, seconds in getattr(backend, "timing", {}).items():
         step.timing[f"time/rollout_{phase}_s"] = seconds
 

@@ -137,9 +137,11 @@ class VLLMBackend:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
         from vllm import SamplingParams as VSamplingParams
 
+        if draft_tokens is not None:
+            raise SparrowError("exact mode (draft_tokens) runs in Sparrow's engine, not in vLLM: see docs/exact-mode.md")
         if num_samples < 1:
             raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
         if not prompts:
