@@ -111,10 +111,14 @@ class KVCache:
         dim = key.shape[-1]
         self.keys[layer].view(-1, dim).index_copy_(0, step.write_index, key.reshape(-1, dim))
         self.values[layer].view(-1, dim).index_copy_(0, step.write_index, value.reshape(-1, dim))
-        if step.filled.numel():
-            page_keys = self.keys[layer][step.filled, :, step.filled_pages]  # [n, Hkv, ps, D]
+        self._build_landmarks(layer, step.filled, step.filled_pages)
+
+    def _build_landmarks(self, layer: int, rows: torch.Tensor, pages: torch.Tensor) -> None:
+        """(Re)build the landmarks of page pages[i] of row rows[i] from the keys now cached there."""
+        if rows.numel():
+            page_keys = self.keys[layer][rows, :, pages]  # [n, Hkv, ps, D]
             for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
-                store[step.filled, :, step.filled_pages] = mark
+                store[rows, :, pages] = mark
 
     def begin_span(self, span: int) -> SpanStep:
         """Prepare a dense forward of `span` new tokens per row (lengths grow by the caller afterwards)."""
@@ -138,10 +142,7 @@ class KVCache:
         dim = key.shape[-1]
         self.keys[layer].view(-1, dim).index_copy_(0, step.write_index, key.reshape(-1, dim))
         self.values[layer].view(-1, dim).index_copy_(0, step.write_index, value.reshape(-1, dim))
-        if step.filled_rows.numel():
-            page_keys = self.keys[layer][step.filled_rows, :, step.filled_pages]  # [n, Hkv, ps, D]
-            for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
-                store[step.filled_rows, :, step.filled_pages] = mark
+        self._build_landmarks(layer, step.filled_rows, step.filled_pages)
 
     def keep(self, kept: list[int]) -> list[int]:
         """Keep only the rows `kept` (ascending; finished sequences dropped), compacted in place with one row copied

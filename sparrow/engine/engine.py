@@ -224,16 +224,10 @@ class RolloutEngine:
             step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1]))
             self.check_finite(step, logits, live, sampling)
             self.record(live, step, budget, sampling)
-            keep = [r for r, seq in enumerate(live) if not seq.finished]
             bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
-            if not keep:
+            live, (keys, step.tokens) = self.drop_finished(cache, live, keys, step.tokens)
+            if not live:
                 break
-            if len(keep) < len(live):
-                keep = cache.keep(keep)
-                index = torch.tensor(keep, device=self.device)
-                live = [live[r] for r in keep]
-                keys = keys.index_select(0, index)
-                step.tokens = step.tokens.index_select(0, index)
             clock = self.lap("sample", clock)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
             clock = self.lap("decode", clock)
@@ -243,6 +237,17 @@ class RolloutEngine:
         for seq in seqs:
             seq.text = self._final_text(seq, sampling)
         return seqs
+
+    def drop_finished(self, cache: KVCache, live: list[Completion],
+                      *rows: torch.Tensor) -> tuple[list[Completion], list[torch.Tensor]]:
+        """The unfinished sequences of `live` and the matching rows of each tensor in `rows`, with the cache
+        compacted to them (`KVCache.keep`); an empty list when every sequence is finished."""
+        keep = [r for r, seq in enumerate(live) if not seq.finished]
+        if not keep or len(keep) == len(live):
+            return [seq for seq in live if not seq.finished], list(rows)
+        keep = cache.keep(keep)
+        index = torch.tensor(keep, device=self.device)
+        return [live[r] for r in keep], [t.index_select(0, index) for t in rows]
 
     def check_finite(self, step: StepSample, logits: torch.Tensor, live: list[Completion],
                      sampling: SamplingParams) -> None:

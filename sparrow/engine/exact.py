@@ -109,15 +109,10 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
     clock = engine.lap("sample", engine.clock())
     length = DraftLength(draft_tokens)
     while True:
-        keep = [r for r, seq in enumerate(live) if not seq.finished]
         bar.update(sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
-        if not keep:
+        live, (keys, pending) = engine.drop_finished(cache, live, keys, pending)
+        if not live:
             break
-        if len(keep) < len(live):
-            keep = cache.keep(keep)
-            index = torch.tensor(keep, device=engine.device)
-            live = [live[r] for r in keep]
-            keys, pending = keys.index_select(0, index), pending.index_select(0, index)
         room = max(sampling.max_new_tokens - len(seq.token_ids) for seq in live) - 1
         count = min(length.next(), room)
         noise = [engine.noise(keys, live, sampling, vocab, ahead=j) for j in range(count + 1)]

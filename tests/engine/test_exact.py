@@ -130,21 +130,22 @@ def test_the_check_fails_if_verification_is_skipped_or_the_drafts_keys_are_kept(
     assert [c.token_ids for c in unverified] != [c.token_ids for c in dense]
 
 
+def _span_and_steps(engine, prompts, length):
+    """Two caches prefilled with `prompts`; `length` random tokens fed to one as one-token dense steps and to the
+    other as one span step. Returns (stepped cache, spanned cache, the steps' logits, the span's logits)."""
+    span = torch.randint(3, 250, (len(prompts), length), generator=torch.Generator().manual_seed(1))
+    caches = [engine.new_cache(len(prompts), 100) for _ in range(2)]
+    for cache in caches:
+        for row, prompt in enumerate(prompts):
+            engine.prefill(cache, prompt, torch.tensor([row]))
+    one = torch.stack([engine.decode_step(caches[0], span[:, j], DENSE)[0] for j in range(length)], 1)
+    return caches[0], caches[1], one, engine.span_step(caches[1], span)
+
+
 def test_a_dense_span_step_equals_one_token_steps(tiny):
     model, tok = tiny
     engine = RolloutEngine(model, tok)
-    prompts = random_prompts([45, 78, 31], seed=3)
-    span = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(1))
-
-    def filled():
-        cache = engine.new_cache(3, 100)
-        for row, prompt in enumerate(prompts):
-            engine.prefill(cache, prompt, torch.tensor([row]))
-        return cache
-
-    stepped, spanned = filled(), filled()
-    one = torch.stack([engine.decode_step(stepped, span[:, j], DENSE)[0] for j in range(7)], 1)
-    many = engine.span_step(spanned, span)
+    stepped, spanned, one, many = _span_and_steps(engine, random_prompts([45, 78, 31], seed=3), 7)
     assert (many - one).abs().max() < 1e-4
     assert torch.equal(stepped.lengths, spanned.lengths)
     for layer in range(engine.num_layers):  # same keys, values and page landmarks (pages 2 and 4 fill in the span)
@@ -208,18 +209,9 @@ def test_the_compiled_span_step_equals_one_token_steps_at_head_dim_64():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
     engine = RolloutEngine(model, tok)
-    prompts = random_prompts([45, 78, 33], seed=3)  # spans that fill and cross pages at different offsets
-    span = torch.randint(3, 250, (3, 9), generator=torch.Generator().manual_seed(1))
-
-    def filled():
-        cache = engine.new_cache(3, 100)
-        for row, prompt in enumerate(prompts):
-            engine.prefill(cache, prompt, torch.tensor([row]))
-        return cache
-
-    stepped, spanned = filled(), filled()
-    one = torch.stack([engine.decode_step(stepped, span[:, j], DENSE)[0] for j in range(9)], 1)
-    assert (engine.span_step(spanned, span) - one).abs().max() < 1e-4
+    # spans that fill and cross pages at different offsets
+    _, _, one, many = _span_and_steps(engine, random_prompts([45, 78, 33], seed=3), 9)
+    assert (many - one).abs().max() < 1e-4
 
 
 def test_auto_draft_length_follows_the_acceptance_and_the_verification_cost():

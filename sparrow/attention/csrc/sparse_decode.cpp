@@ -153,26 +153,6 @@ inline void softmax_rows(float* scores, int64_t G, int64_t stride, int64_t n) {
   }
 }
 
-// softmax_rows with the exponentials vectorised (libmvec): for the span step, whose G * span rows make the scalar
-// expf the bottleneck. Its rounding may differ between AVX2 and AVX-512 builds, so one-token decode keeps the
-// scalar softmax above (bit-equal across CPUs); a span step only needs to agree with decode to rounding.
-inline void softmax_rows_simd(float* scores, int64_t G, int64_t stride, int64_t n) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * stride;
-    float top = *std::max_element(s, s + n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(s[i] - top);
-      s[i] = e;
-      sum += e;
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-  }
-}
-
 // What both caches share: the queries [rows, H, G, D], per row the page count, budget in pages and token count
 // ([rows] int64 each), the landmark tensors ([centroid] or [kmin, kmax]) and the output [rows, H, G, D].
 struct Step {
@@ -399,10 +379,8 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
           float* sg = scores.data() + g * stride;
           for (int64_t i = n - (st.span - 1 - g % st.span); i < n; ++i) sg[i] = -std::numeric_limits<float>::infinity();
         }
-        softmax_rows_simd(scores.data(), G, stride, n);
-      } else {
-        softmax_rows(scores.data(), G, stride, n);
       }
+      softmax_rows(scores.data(), G, stride, n);
       // The weighted sum of the kept tokens' values, page by page in the order scored.
       float* oh = st.od + rh * G * D;
       int64_t i = 0;
