@@ -57,7 +57,7 @@ EXPECTED = {
 # The release keys bins by ceil(cached_len / 16) pages, 125 pages a bin: bin i starts at 2000 i - 15.
 STARTS = (0,) + tuple(2000 * i - 15 for i in range(1, 20))
 JSON_PATH = Path(schedules.__file__).parent / "data" / "sparrow_schedules.json"
-README = Path(__file__).resolve().parent.parent / "README.md"
+CLI_DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 
 def _release_budget(topk: list[int], cached_len: int) -> int:
@@ -313,9 +313,9 @@ def test_cli_show_table(capsys):
     assert rows[-1] == ["19", "37985", "...", "8192", "509"]
 
 
-def test_readme_lists_the_published_presets():
-    """The README's preset bullet names every model and target of the JSON, and no other."""
-    text = README.read_text(encoding="utf-8")
+def test_cli_doc_lists_the_published_presets():
+    """docs/cli.md's preset bullet names every model and target of the JSON, and no other."""
+    text = CLI_DOC.read_text(encoding="utf-8")
     bullet = text[text.index("- a published preset"):]
     bullet = " ".join(bullet[:bullet.index("\n- ")].split())
     targets: dict[str, list[str]] = {}
