@@ -10,7 +10,6 @@ attributed.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import secrets
 import time
 from collections.abc import Sequence
@@ -29,11 +28,11 @@ from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.schedules import DENSE, Schedule
 
-from .exact import check_draft_tokens, exact_wave, max_draft
+from .arguments import check_generate
+from .exact import exact_wave, max_draft
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import (
-    KEY_LIMIT,
     SamplingParams,
     StepSample,
     gumbel_noise,
@@ -162,13 +161,7 @@ class RolloutEngine:
         key. Stops with a SparrowError naming the sequence and token when the model's logits are not finite.
         """
         sampling = sampling or SamplingParams()
-        if num_samples < 1:
-            raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
-        if not prompts:
-            raise SparrowError("no prompts given")
-        keys = check_prompt_keys(prompt_keys, len(prompts))
-        if draft_tokens is not None:
-            draft_tokens = check_draft_tokens(draft_tokens)
+        keys = check_generate(prompts, num_samples, prompt_keys, draft_tokens)
         if not schedule.is_dense:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
@@ -305,24 +298,6 @@ def final_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> str:
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stop if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-def check_prompt_keys(prompt_keys: Sequence[int] | None, count: int) -> list[int]:
-    """The key of each prompt: the given ones (distinct integers in [0, 2**32)), else the indices 0..count-1."""
-    if prompt_keys is None:
-        return list(range(count))
-    keys = list(prompt_keys)
-    if len(keys) != count:
-        raise SparrowError(f"prompt_keys has {len(keys)} keys for {count} prompts: expected one key per prompt")
-    seen = set()
-    for key in keys:
-        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or not 0 <= key < KEY_LIMIT:
-            raise SparrowError(f"prompt keys must be integers in [0, 2**32), got {key!r}")
-        if key in seen:
-            raise SparrowError(f"prompt key {key} is given twice: two prompts with one key would share their "
-                               "random streams; expected distinct keys")
-        seen.add(key)
-    return [int(k) for k in keys]
 
 
 def _check_finite(finite: torch.Tensor, logits: torch.Tensor, live: list[Completion], sampling: SamplingParams,

@@ -27,7 +27,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from tqdm.auto import tqdm
 
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
-from sparrow.engine.engine import check_prompt_keys
+from sparrow.engine.arguments import check_generate
 from sparrow.errors import SparrowError
 from sparrow.models import resolve_dtype
 from sparrow.schedules import Schedule
@@ -162,9 +162,7 @@ class RayRolloutBackend:
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams, schedule: Schedule,
                  num_samples: int = 1, *, prompt_keys: Sequence[int] | None = None, adapter: bool = True,
                  progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
-        if not prompts:
-            raise SparrowError("no prompts given")
-        keys = check_prompt_keys(prompt_keys, len(prompts))
+        keys = check_generate(prompts, num_samples, prompt_keys, draft_tokens)
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         costs = [(len(ids) + sampling.max_new_tokens) * num_samples for ids in encoded]
         shares = {w: share for w, share in enumerate(split_groups(costs, len(self._actors))) if share}

@@ -27,7 +27,8 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
-from sparrow.engine.engine import check_prompt_keys, final_text, kv_budgets
+from sparrow.engine.arguments import check_generate
+from sparrow.engine.engine import final_text, kv_budgets
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule
@@ -142,11 +143,7 @@ class VLLMBackend:
 
         if draft_tokens is not None:
             raise SparrowError("exact mode (draft_tokens) runs in Sparrow's engine, not in vLLM: see docs/exact-mode.md")
-        if num_samples < 1:
-            raise SparrowError(f"num_samples must be >= 1, got {num_samples}")
-        if not prompts:
-            raise SparrowError("no prompts given")
-        keys = check_prompt_keys(prompt_keys, len(prompts))
+        keys = check_generate(prompts, num_samples, prompt_keys)
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for i, ids in enumerate(encoded):
             if len(ids) + sampling.max_new_tokens > self.max_model_len:
