@@ -20,10 +20,10 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.interface import base_model
 from sparrow.errors import SparrowError
 from sparrow.measure.acceptance import piece_acceptance
+from sparrow.measure.batch import RolloutBatch, piece_logits, shared_prompt_pieces
 from sparrow.rl.adaptive import by_bin
 from sparrow.rl.config import MonitorSection
 from sparrow.rl.step_metrics import exact_metrics
-from sparrow.rollout.batch import RolloutBatch, piece_logits, shared_prompt_pieces
 from sparrow.schedules import Schedule
 
 

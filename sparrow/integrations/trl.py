@@ -16,7 +16,7 @@ next version and all processes wait for it before they generate again.
 
 TRL's own forward (`_get_per_token_logps_and_entropies`) keeps only the sampled tokens' log-probs, so it cannot
 serve for exact acceptance, which needs both full next-token distributions: the monitor runs its own dense and
-sparse forwards, one prompt forward per group (`rollout.batch.piece_logits`), on the monitored share only.
+sparse forwards, one prompt forward per group (`measure.batch.piece_logits`), on the monitored share only.
 
 What the trainer sets or checks before TRL builds anything: the model (Sparrow's `smollm2-135m` becomes its
 converted directory, `resolve_model`), TRL's importance sampling correction (`choose_correction`: token-level
@@ -38,7 +38,7 @@ from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
 from sparrow.errors import SparrowError
-from sparrow.vllm.config import FOLLOW, environment_for
+from sparrow.vllm.env import FOLLOW, environment_for
 
 from .config import SparrowConfig
 from .monitor import gather_rows, measure, monitored_rows, rollout_batch, verdict

@@ -21,7 +21,7 @@ from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.engine import Completion
 from sparrow.lora import without_adapter
 from sparrow.metrics.divergence import acceptance_rate
-from sparrow.rollout.batch import RolloutBatch, piece_logits, shared_prompt_pieces
+from .batch import RolloutBatch, piece_logits, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
 

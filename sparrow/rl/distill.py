@@ -26,7 +26,7 @@ from sparrow.attention import SparseConfig
 from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.errors import SparrowError
 from sparrow.lora import LoraSpec, adapter_parameters, base_parameters, without_adapter
-from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
+from sparrow.measure.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int, option
 

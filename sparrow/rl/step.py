@@ -27,11 +27,11 @@ from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
+from sparrow.measure.batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from sparrow.measure.bounds import acceptance_bounds
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
 from sparrow.rollout import RolloutBackend
-from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
 from .activation_checkpointing import checkpointed_layers

@@ -1,5 +1,5 @@
 """Rollout backends: the `RolloutBackend` protocol (backend.py) and its implementations (native, Ray, vLLM), chosen
-by factory.py from a `ModelSpec` (model_spec.py); the rollouts as padded tensors for training (batch.py)."""
+by factory.py from a `ModelSpec` (model_spec.py)."""
 
 from .backend import RolloutBackend
 from .native import NativeBackend

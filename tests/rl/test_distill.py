@@ -16,6 +16,7 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.lora import attach_adapter, base_parameters
 from sparrow.measure import teacher_forced_acceptance
+from sparrow.measure.batch import RolloutBatch
 from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.distill import DistillConfig, Distiller
@@ -24,7 +25,6 @@ from sparrow.rl.probes import SwitchState, observe_probe, probe
 from sparrow.rl.step import Policy, StepConfig
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
-from sparrow.rollout.batch import RolloutBatch
 from sparrow.schedules import DENSE, const
 from sparrow.typed_config import build, flatten_mapping
 from tests.fake_backend import ReplayBackend

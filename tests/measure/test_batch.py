@@ -4,10 +4,10 @@ import torch
 
 from sparrow.attention.teacher_forced import SharedPrompt, sparse_forward
 from sparrow.engine import Completion, RolloutEngine, SamplingParams
+from sparrow.measure.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.measure.bounds import acceptance_bounds
 from sparrow.metrics.divergence import acceptance_rate
 from sparrow.models import load_model
-from sparrow.rollout.batch import RolloutBatch, piece_logits, piece_logprobs, shared_prompt_pieces
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 from tests.reference import token_logprobs
