@@ -267,13 +267,6 @@ def build(cls, values: dict[str, object]):
     return make(cls, ())
 
 
-def from_mapping(cls, mapping: dict, source: str = "config"):
-    """Build and validate `cls` from a (nested or flat) mapping, as a YAML file holds it."""
-    config = build(cls, flatten_mapping(cls, mapping, source))
-    config.validate()
-    return config
-
-
 def to_nested(config) -> dict:
     """The config as nested sections of plain values (for YAML and the run's saved config)."""
     return {f.name: to_nested(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))

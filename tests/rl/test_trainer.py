@@ -11,7 +11,7 @@ from sparrow.errors import SparrowError
 from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.trainer import train
-from sparrow.typed_config import build, flatten_mapping, from_mapping
+from sparrow.typed_config import build, flatten_mapping
 
 
 def byte_mean(prompts, completions, **_):
@@ -183,12 +183,19 @@ def test_the_example_configs_name_only_known_options(path):
     flatten_mapping(TrainConfig, yaml.safe_load(open(path)), path)
 
 
+def _from_mapping(mapping: dict) -> TrainConfig:
+    """A validated TrainConfig from a (nested or flat) mapping, as a YAML file holds it."""
+    config = build(TrainConfig, flatten_mapping(TrainConfig, mapping, "config"))
+    config.validate()
+    return config
+
+
 def test_nested_sections_and_flat_names_build_the_same_config(data, tmp_path):
-    flat = from_mapping(TrainConfig, {"data": str(data), "learning_rate": 3e-4, "distill": True, "distill_lr": 0.01,
-                                      "eval_every": 3, "model": "tiny-llama", "reward": ["tests.rl.test_trainer:byte_mean"]})
-    nested = from_mapping(TrainConfig, {"data": {"path": str(data), "reward": ["tests.rl.test_trainer:byte_mean"]},
-                                        "grpo": {"learning_rate": 3e-4}, "distill": {"enabled": True, "lr": 0.01},
-                                        "eval": {"every": 3}, "model": {"name": "tiny-llama"}})
+    flat = _from_mapping({"data": str(data), "learning_rate": 3e-4, "distill": True, "distill_lr": 0.01,
+                          "eval_every": 3, "model": "tiny-llama", "reward": ["tests.rl.test_trainer:byte_mean"]})
+    nested = _from_mapping({"data": {"path": str(data), "reward": ["tests.rl.test_trainer:byte_mean"]},
+                            "grpo": {"learning_rate": 3e-4}, "distill": {"enabled": True, "lr": 0.01},
+                            "eval": {"every": 3}, "model": {"name": "tiny-llama"}})
     assert flat == nested and flat.grpo.learning_rate == 3e-4 and flat.distill.lr == 0.01
     assert flat.parsed.schedule.is_dense and flat.model.name == "tiny-llama"
 
