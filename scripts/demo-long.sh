@@ -2,7 +2,7 @@
 # The long-generation demo: GRPO on SmolLM2-135M-Instruct and the built-in manifest task (~4.5K-token prompts,
 # answers of ~150-200 tokens at temperature 1), sparse rollouts at the reward-aware calibrated schedule (0:3072) vs
 # dense rollouts, then one report comparing them (reward, length, tail acceptance per bin, reward retention, time
-# per phase, reward against rollout seconds). About 20 minutes on 2 CPU cores; scripts/bench-promise.sh is the full
+# per phase, reward against rollout seconds). About 20 minutes on 2 CPU cores; benchmarks/bench-promise.sh is the full
 # experiment.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,13 +9,13 @@
     with Sparrow under const:64, against our teacher-forced sparse forward (`sparse_completion_logits`), greedy
     and sampled; and which wrapper vLLM picks for float32 and bfloat16 (FlashAttention or FlashInfer);
 (e) decode tokens/s of a small random Llama at 8K cached / batch 8 with the plugin dense and sparse, with and
-    without CUDA graphs (scripts/vllm_decode_throughput.py, one process each).
+    without CUDA graphs (benchmarks/vllm_decode_throughput.py, one process each).
 Each step is guarded: a failure is recorded with its traceback and the rest still runs. Prints one JSON summary
 and writes it to $OUT/device_check.json (or --out). Exit status 1 if any check fails or errors. Run from the
 repository root with whatever python has torch:
 
-    python scripts/vllm_device_check.py            # on the GPU machine
-    python scripts/vllm_device_check.py --dry-run  # on CPU: (a), (b) uncaptured and (c) under Triton's interpreter
+    python benchmarks/vllm_device_check.py            # on the GPU machine
+    python benchmarks/vllm_device_check.py --dry-run  # on CPU: (a), (b) uncaptured and (c) under Triton's interpreter
 """
 
 from __future__ import annotations

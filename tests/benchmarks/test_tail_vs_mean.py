@@ -1,14 +1,18 @@
-"""Tail or mean: rank correlations of acceptance statistics with reward retention, and the contrasting pairs."""
+"""benchmarks/tail_vs_mean.py: rank correlations of acceptance statistics with reward retention, the contrasting
+pairs, and the table it prints from run directories."""
 
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from scipy import stats
 
-from sparrow.measure.predictors import RunOutcome, contrast_pairs, rank_correlations
+from benchmarks.tail_vs_mean import RunOutcome, contrast_pairs, rank_correlations
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tail_vs_mean.py")
 
 RUNS = [RunOutcome("const", 0.950, 0.78, 0.60, 0.55, True),  # same mean as "growing", lower tail, lost reward
         RunOutcome("growing", 0.955, 0.86, 0.70, 0.95, False),
@@ -47,14 +51,14 @@ def test_the_script_pairs_sparse_with_dense_runs(tmp_path):
     run("sparse", [{"step": 1, "reward/mean": 0.4, "mismatch/exact/mean": 0.9, "mismatch/exact/p5": 0.8, **exact},
                    {"step": 2, "reward/mean": 0.2, "mismatch/exact/mean": 0.95, "mismatch/exact/p5": 0.9, **exact}],
         [{"step": 2, "eval/per_example_mean": [0.4, 0.5, 0.4]}])
-    out = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense"],
+    out = subprocess.run([sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense"],
                          capture_output=True, text=True, check=True).stdout
     # retention 0.6 / 0.8; held-out differences -0.1, 0, -0.2
     assert "| sparse | 0.925 | 0.850 | 0.500 | 0.75 | -0.100 [" in out and "| yes / no |" in out
-    labelled = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense=mine",
+    labelled = subprocess.run([sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense=mine",
                                "--behind-below", "0.7"], capture_output=True, text=True, check=True).stdout
     assert "| mine | 0.925 |" in labelled and "| no / no |" in labelled
-    twice = subprocess.run([sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense",
+    twice = subprocess.run([sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense",
                             f"{tmp_path}/sparse={tmp_path}/dense"], capture_output=True, text=True)
     assert twice.returncode != 0 and "two runs are named 'sparse'" in twice.stderr
 
@@ -68,7 +72,7 @@ def test_the_script_reads_a_redone_per_prompt_evaluation_for_older_logs(tmp_path
                         "mismatch/exact/tokens": 10})
         (tmp_path / name / "metrics.jsonl").write_text(json.dumps(row) + "\n")
         (tmp_path / name / "eval.jsonl").write_text(json.dumps({"step": 10, "eval/mean@4": sum(held) / 3}) + "\n")
-    script = [sys.executable, "scripts/tail_vs_mean.py", f"{tmp_path}/sparse={tmp_path}/dense"]
+    script = [sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense"]
     assert "| - | yes / - |" in subprocess.run(script, capture_output=True, text=True, check=True).stdout
     for name, held in (("dense", [0.5, 0.5, 0.6]), ("sparse", [0.4, 0.5, 0.4])):
         (tmp_path / name / "eval-step10-per-prompt.json").write_text(json.dumps({"per_example_mean": held}))

@@ -6,7 +6,7 @@ forward (`SharedPrompt`, as the policy update runs it) and its completions in mi
 then the prompt's backward; with `--sparse B` the adapter update's path instead (a LoRA adapter, the sparse actor's
 `sparse_completion_logits` at a constant budget B, one prompt forward per micro-batch).
 
-    .venv/bin/python scripts/bench_update_memory.py --prompt 4600 --completion 200 --group 8 --micro 4
+    .venv/bin/python benchmarks/bench_update_memory.py --prompt 4600 --completion 200 --group 8 --micro 4
 """
 
 from __future__ import annotations

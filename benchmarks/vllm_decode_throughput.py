@@ -1,7 +1,7 @@
 """Decode tokens/s of one vLLM engine on a GPU, with or without Sparrow's plugin and CUDA graphs; one configuration per
-process, since the plugin is configured per process (scripts/vllm_device_check.py runs the four it compares).
+process, since the plugin is configured per process (benchmarks/vllm_device_check.py runs the four it compares).
 
-    python scripts/vllm_decode_throughput.py MODEL_DIR --schedule const:1024|dense [--eager] [--context 8000]
+    python benchmarks/vllm_decode_throughput.py MODEL_DIR --schedule const:1024|dense [--eager] [--context 8000]
 
 The plugin is loaded with SPARROW_VLLM_SCHEDULE set to --schedule (`dense`: the plugin's dense path). `batch`
 random prompts of `context` tokens are prefilled once (then served from the prefix cache); the rate is

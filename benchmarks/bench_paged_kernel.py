@@ -6,7 +6,7 @@ the CPU's caches. One timed call runs every layer: vLLM's kernel attends every t
 rule selects under `--budget` tokens, and ours with a budget covering every page. SmolLM2-135M's attention shape
 (3 KV heads, 3 query heads each, head dim 64). Before timing, ours at the covering budget must equal vLLM's output.
 
-    python scripts/bench_paged_kernel.py --context 1100 --batch 16 --budget 512 --block 16 128
+    python benchmarks/bench_paged_kernel.py --context 1100 --batch 16 --budget 512 --block 16 128
 
 Each kernel runs on caches in plain 4 KiB memory pages (as vLLM allocates them) and in transparent huge pages (as
 the plugin backs vLLM's cache where the kernel allows, `sparrow/huge_pages.py`), all six interleaved. Prints

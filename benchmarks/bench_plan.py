@@ -7,7 +7,7 @@ device tensors on PyTorch's meta device, so the page-table gather and the one ho
 dispatch, as queued CUDA work costs the host its launch), and the CPU backend's whole plan (block 16, one page per
 block as the plugin asks vLLM for on CPU, the page table built on the CPU).
 
-    python scripts/bench_plan.py [--repeats 200]
+    python benchmarks/bench_plan.py [--repeats 200]
 
 Prints a markdown table (median ms per step) and the CPU's flags.
 """

@@ -5,7 +5,7 @@ median of 3 timed calls after one untimed, and the peak memory beyond the inputs
 
 In float32 no fused backend takes enable_gqa (flash needs 16-bit; memory-efficient and cuDNN need equal head
 counts), so SDPA falls back to the math backend, which materialises the [heads, T, T] scores: see BENCHMARKS.md,
-"GPU: first run on an H200". Run: python3 scripts/sdpa_gqa_probe.py (about 10 s on an H200).
+"GPU: first run on an H200". Run: python3 benchmarks/sdpa_gqa_probe.py (about 10 s on an H200).
 """
 
 import json

@@ -9,7 +9,7 @@ the slowest worker's own: scheduling, transfer and reassembly) and the per-worke
 trip of a one-token call (the fixed scheduling cost). One local Ray is started for all configurations with the
 largest CPU count any of them needs; give the machine that many idle cores. Run from the repository root:
 
-    .venv/bin/python scripts/bench_ray.py --model smollm2-135m --configs native:1,native:2,1x1,2x1,1x2 \
+    .venv/bin/python benchmarks/bench_ray.py --model smollm2-135m --configs native:1,native:2,1x1,2x1,1x2 \
         --prompts 8 --prompt-tokens 1024 --samples 4 --max-new-tokens 64 --schedule const:256 --json bench_ray.json
 """
 

@@ -6,7 +6,7 @@ Each prompt is rolled out `--samples` times per configuration, the configuration
 for the sparse actor with the LoRA adapter of `--adapter` on (DistillSparse; without it the adapter is off) and
 `+exactK` for exact mode drafting K tokens per verification (the tokens are then dense's: `identical` counts them).
 
-    .venv/bin/python scripts/bench_rollout_phase.py --prompts runs/bench/promise/train.jsonl --count 4 \
+    .venv/bin/python benchmarks/bench_rollout_phase.py --prompts runs/bench/promise/train.jsonl --count 4 \
         --model CKPT --adapter CKPT/adapter --configs dense,0:1024+adapter,0:1024
 """
 

@@ -2,7 +2,7 @@
 PyTorch's SDPA or the compiled kernel (SPARROW_CPU_KERNEL), linear layers through MKL or oneDNN-packed weights
 (SPARROW_PACKED_LINEAR), for a dense and a sparse schedule, at one or more (cached tokens, batch) shapes.
 
-    .venv/bin/python scripts/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
+    .venv/bin/python benchmarks/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
 
 Prints one JSON line per (shape, configuration) with the median ms per step, and the sparse/dense ratio of the
 old paths (SDPA dense, MKL) and of the new (kernel dense, packed) per shape; then the prompt's prefill with MKL and

@@ -25,5 +25,5 @@ run() {
 run dense --schedule dense
 run const-256 --schedule const:256
 run const-64-dl22 --schedule const:64 --dense-layers $DL22
-.venv/bin/python scripts/tail_vs_mean.py "$OUT/const-256=$OUT/dense=passkey const:256 seed $SEED" \
+.venv/bin/python benchmarks/tail_vs_mean.py "$OUT/const-256=$OUT/dense=passkey const:256 seed $SEED" \
   "$OUT/const-64-dl22=$OUT/dense=passkey const:64 22 dense layers seed $SEED"
