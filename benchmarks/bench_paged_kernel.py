@@ -27,7 +27,7 @@ import torch
 
 from sparrow.attention import SparseConfig, cpu_kernel
 from sparrow.bench import machine_info
-from sparrow.huge_pages import collapse_tensor
+from sparrow.huge_pages import collapse
 from sparrow.vllm.paged import physical_pages
 
 KV_HEADS, GROUP, DIM, PAGE = 3, 3, 64, 16
@@ -45,7 +45,7 @@ def kernels(context: int, batch: int, budget: int, block: int, layers: int, huge
     blocks = batch * per_row + 4
     shape = (blocks, KV_HEADS, block, 2 * DIM)
     caches = [torch.randn(shape, generator=gen) for _ in range(layers)]
-    if huge and not all(collapse_tensor(c) for c in caches):
+    if huge and not all(collapse(c.data_ptr(), c.nbytes) for c in caches):
         raise SystemExit("this kernel did not give the caches huge pages (MADV_COLLAPSE needs Linux 6.1+)")
     sparse = SparseConfig(page_size=PAGE)
     marks = [[torch.randn(blocks * block // PAGE, KV_HEADS, DIM, generator=gen)] for _ in range(layers)]

@@ -1,7 +1,7 @@
 """The vLLM plugin's GPU path on a lent CUDA machine, in one run of under eight minutes; installs nothing.
 
-(a) the Triton kernel (sparrow/vllm/triton_decode.py) against its PyTorch reference, float32 and bfloat16, and the
-    whole sparse step against paged.reference_decode, plus one timing of kernel vs reference;
+(a) the Triton kernel (sparrow/vllm/triton_decode.py) against its PyTorch reference (tests/reference.py), float32
+    and bfloat16, and the whole sparse step against paged.reference_decode, plus one timing of kernel vs reference;
 (b) the fixed-shape decode path (graph_decode.py) captured in a CUDA graph, replayed on new inputs, against the
     eager path;
 (c) the step plan's time (plan.py) at batch 256 / 32K cached tokens on CUDA tensors;
@@ -108,7 +108,8 @@ def kernel_vs_reference():
     import torch
 
     from sparrow.vllm.paged import reference_decode
-    from sparrow.vllm.triton_decode import page_reader, paged_sparse_attention, reference_paged_attention, sparse_decode
+    from sparrow.vllm.triton_decode import page_reader, paged_sparse_attention, sparse_decode
+    from tests.reference import reference_paged_attention
 
     limits = {getattr(torch, d): {"float32": 1e-5, "bfloat16": 2e-2}[d] for d in GRID["dtypes"]}
     worst, seen = {}, []
@@ -146,7 +147,8 @@ def kernel_timing():
     """One decode step's attention: 16 requests at 32K tokens, 8 KV heads x 4, head 128, bf16, 64 pages kept."""
     import torch
 
-    from sparrow.vllm.triton_decode import paged_sparse_attention, reference_paged_attention
+    from sparrow.vllm.triton_decode import paged_sparse_attention
+    from tests.reference import reference_paged_attention
 
     b = batch([32768] * 16, 8, 4, 128, 16, torch.bfloat16)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -288,7 +290,8 @@ def vllm_vs_teacher_forced():
     import torch
 
     from sparrow.errors import SparrowError
-    from sparrow.vllm import config as plugin_config
+    from sparrow.vllm import env as plugin_env
+    from sparrow.vllm import state as plugin_state
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, where we register
     import vllm
@@ -300,15 +303,15 @@ def vllm_vs_teacher_forced():
         raise RuntimeError(f"vLLM's platform here is {current_platform.device_name!r}, not CUDA")
     from sparrow.vllm import plugin, wrapped
 
-    schedule_env = {plugin_config.ENV_SCHEDULE: "const:64"}
+    schedule_env = {plugin_env.ENV_SCHEDULE: "const:64"}
     os.environ.update(schedule_env)
     try:
         plugin.register()
         wiring = "plugin.register registered the CUDA backend"
     except SparrowError as err:
-        os.environ.pop(plugin_config.ENV_SCHEDULE)
+        os.environ.pop(plugin_env.ENV_SCHEDULE)
         load_general_plugins()  # once per process, with the schedule unset: a later call changes nothing
-        plugin_config.activate(plugin_config.from_environment(schedule_env))
+        plugin_state.activate(plugin_env.from_environment(schedule_env))
         for member in wrapped.WRAPPED:
             register_backend(AttentionBackendEnum[member], wrapped.wrapper_path(member))
         wiring = f"wrappers registered by this script (plugin.register: {err})"

@@ -68,10 +68,3 @@ def collapse(start: int, nbytes: int) -> bool:
     whether the kernel did. Copies the memory once: 1-9 s per GiB on a 2-core VM (9 where free memory must first
     be made into huge pages)."""
     return _advise(start, start + nbytes, _MADV_HUGEPAGE) and _advise(start, start + nbytes, _MADV_COLLAPSE)
-
-
-def collapse_tensor(tensor: torch.Tensor) -> bool:
-    """`collapse` of the memory of a contiguous CPU tensor."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return False
-    return collapse(tensor.data_ptr(), tensor.numel() * tensor.element_size())

@@ -1,4 +1,4 @@
-"""Sparrow's sparse decode over vLLM's CUDA paged cache: a Triton kernel (flash-decoding) and its PyTorch reference.
+"""Sparrow's sparse decode over vLLM's CUDA paged cache: a Triton kernel (flash-decoding).
 
 vLLM's Triton and FlashAttention backends give each layer a cache of logical shape [blocks, Hkv, block, 2 D] (keys
 then values on the last axis; the physical strides follow vLLM's KV cache layout, NHD by default), and
@@ -15,7 +15,6 @@ group, an online softmax over `PAGES_PER_STEP` pages at a time, and the splits m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -158,36 +157,13 @@ def page_reader(key_cache: torch.Tensor, value_cache: torch.Tensor, page_size: i
     return read
 
 
-def reference_paged_attention(queries: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              page_table: torch.Tensor, pages: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                              scale: float) -> torch.Tensor:
-    """`paged_sparse_attention` in PyTorch: gather the selected pages, then SDPA with a mask."""
-    _check_shapes(queries, key_cache, value_cache, page_table, pages, seq_lens, page_size)
-    requests, kv_heads, _, dim = queries.shape
-    slots = pages.shape[-1]
-    live = pages >= 0
-    logical = pages.clamp(min=0).long()
-    phys = page_table.long().gather(1, logical.view(requests, -1)).view(requests, kv_heads, slots)
-    per = key_cache.shape[1] // page_size
-    block = torch.div(phys, per, rounding_mode="floor").unsqueeze(-1)
-    row = (phys % per).unsqueeze(-1) * page_size + torch.arange(page_size, device=queries.device)
-    head = torch.arange(kv_heads, device=queries.device).view(1, kv_heads, 1, 1)
-    keys, values = key_cache[block, row, head], value_cache[block, row, head]  # [R, Hkv, K, ps, D]
-    position = logical.unsqueeze(-1) * page_size + torch.arange(page_size, device=queries.device)
-    mask = live.unsqueeze(-1) & (position < seq_lens.view(-1, 1, 1, 1))
-    keys = keys.reshape(requests, kv_heads, slots * page_size, dim).to(queries.dtype)
-    values = values.reshape(requests, kv_heads, slots * page_size, dim).to(queries.dtype)
-    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.view(requests, kv_heads, 1, -1),
-                                          scale=scale)
-
-
 def sparse_decode(queries: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   page_table: torch.Tensor, landmarks: PageLandmarks, seq_lens: torch.Tensor,
                   budget_pages: torch.Tensor, sparse: SparseConfig, scale: float,
                   attend=paged_sparse_attention) -> torch.Tensor:
     """One sparse decode step of R requests (as `paged.reference_decode`): queries [R, Hkv, G, D], page_table
     [R, P], seq_lens and budget_pages [R] -> [R, Hkv, G, D]. Pages are selected in PyTorch from the landmarks of
-    the request's pages, then `attend` (the kernel, or the reference) reads only those."""
+    the request's pages, then `attend` (the kernel, or a reference in the tests) reads only those."""
     ps = sparse.page_size
     n_pages = (seq_lens.long() + ps - 1) // ps
     marks = [m.to(queries.dtype) for m in landmarks.gather(page_table)]

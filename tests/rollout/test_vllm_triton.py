@@ -29,17 +29,13 @@ from sparrow.vllm.paged import (
     reference_decode,
     select_decode_pages,
 )
+from tests.reference import reference_paged_attention
 
 INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="triton was imported before TRITON_INTERPRET was set; "
                                                          "run in a child by test_the_kernels_under_the_interpreter")
 if INTERPRETED:
-    from sparrow.vllm.triton_decode import (
-        page_reader,
-        paged_sparse_attention,
-        reference_paged_attention,
-        sparse_decode,
-    )
+    from sparrow.vllm.triton_decode import page_reader, paged_sparse_attention, sparse_decode
 
 
 def run_under_interpreter(test_file: str, own_test: str) -> None:
