@@ -5,6 +5,8 @@ Files that a run appends to (metrics.jsonl, eval.jsonl) can end in a torn line w
 write; `parse_jsonl` recognises one (the last line, without its newline, not a JSON object or not UTF-8: a write
 cut inside a character) so that readers of such logs can skip it and the trainer can cut it off on resume.
 Read such files with `read_jsonl_text`, which keeps bytes that are not UTF-8 for `parse_jsonl` to judge by line.
+
+`require_file` and `check_output` check a command's input files and output paths before any work.
 """
 
 from __future__ import annotations
@@ -51,6 +53,38 @@ def env_int(name: str, default: int, minimum: int | None = None, environ=None) -
     if minimum is not None and number < minimum:
         raise SparrowError(f"{name}={value!r}: expected {expected}")
     return number
+
+
+def require_file(path: str | None, what: str) -> Path:
+    """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
+    if path is None:
+        raise SparrowError(f"give the {what}")
+    found = Path(path)
+    if not found.exists():
+        raise SparrowError(f"{what} {path!r} does not exist")
+    if not found.is_file():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file" if found.is_dir()
+                           else f"{what} {path!r} is not a regular file")
+    return found
+
+
+def check_output(path: str, what: str, directory: bool) -> None:
+    """Refuse, before any work, an output that cannot be made: an existing file where a directory goes (or an
+    existing directory where a file goes), a path under an existing file, or one whose nearest existing directory
+    this process cannot write in."""
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise SparrowError(f"{what} {path!r} is an existing file; expected a directory (existing or new)")
+    if not directory and target.is_dir():
+        raise SparrowError(f"{what} {path!r} is a directory; expected a file name")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SparrowError(f"{what} {path!r} lies under {str(parent)!r}, which is a file, not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise SparrowError(f"{what} {path!r} cannot be written: directory {str(parent)!r} is not writable "
+                                   "(read-only or no permission); expected a path in a writable directory")
+            return
 
 
 def umask() -> int:

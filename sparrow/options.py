@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -21,6 +20,7 @@ from sparrow.attention.landmarks import LANDMARKS
 from sparrow.engine import SamplingParams
 from sparrow.engine.exact import check_draft_tokens
 from sparrow.errors import SparrowError
+from sparrow.io import require_file
 from sparrow.lora import LoraSpec, check_adapter_dir, load_adapter
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
@@ -36,38 +36,6 @@ SCHEDULE_HELP = "dense, const:N, steps:BIN:b1,b2,..., start:budget,..., a preset
 def _parsed(default=None):
     """A value `validate()` derives and keeps (no option, no flag, not compared)."""
     return field(default=default, init=False, repr=False, compare=False)
-
-
-def require_file(path: str | None, what: str) -> Path:
-    """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
-    if path is None:
-        raise SparrowError(f"give the {what}")
-    found = Path(path)
-    if not found.exists():
-        raise SparrowError(f"{what} {path!r} does not exist")
-    if not found.is_file():
-        raise SparrowError(f"{what} {path!r} is a directory; expected a file" if found.is_dir()
-                           else f"{what} {path!r} is not a regular file")
-    return found
-
-
-def check_output(path: str, what: str, directory: bool) -> None:
-    """Refuse, before any work, an output that cannot be made: an existing file where a directory goes (or an
-    existing directory where a file goes), a path under an existing file, or one whose nearest existing directory
-    this process cannot write in."""
-    target = Path(path)
-    if directory and target.exists() and not target.is_dir():
-        raise SparrowError(f"{what} {path!r} is an existing file; expected a directory (existing or new)")
-    if not directory and target.is_dir():
-        raise SparrowError(f"{what} {path!r} is a directory; expected a file name")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SparrowError(f"{what} {path!r} lies under {str(parent)!r}, which is a file, not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise SparrowError(f"{what} {path!r} cannot be written: directory {str(parent)!r} is not writable "
-                                   "(read-only or no permission); expected a path in a writable directory")
-            return
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
+from sparrow.io import check_output, require_file
 from sparrow.measure.calibration import (
     always_kept_pages,
     calibrate,
@@ -16,7 +17,6 @@ from sparrow.measure.calibration import (
 from sparrow.measure.cost_model import compare, hardware
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
-from sparrow.options import check_output, require_file
 from sparrow.schedules import parse_schedule, write_schedule_json
 from sparrow.typed_config import option
 

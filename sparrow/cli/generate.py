@@ -10,12 +10,12 @@ from sparrow.datasets import read_prompts, text_problem
 from sparrow.engine import SamplingParams, as_chat, content_keys
 from sparrow.engine.exact import exact_summary
 from sparrow.errors import SparrowError
+from sparrow.io import require_file
 from sparrow.options import (
     AdaptedModelSection,
     RolloutSection,
     SamplingSection,
     ScheduledSparseSection,
-    require_file,
 )
 from sparrow.typed_config import check_int, option, section
 

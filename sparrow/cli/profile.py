@@ -10,6 +10,7 @@ from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
 from sparrow.engine.exact import check_draft_tokens
 from sparrow.errors import SparrowError
+from sparrow.io import check_output, require_file
 from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, check_resumable, prompts_hash, run_profile
 from sparrow.options import (
     ANSWER_REWARDS,
@@ -18,8 +19,6 @@ from sparrow.options import (
     RolloutSection,
     SamplingSection,
     SparseSection,
-    check_output,
-    require_file,
 )
 from sparrow.rewards.scoring import score_examples
 from sparrow.schedules import Schedule, split_schedules

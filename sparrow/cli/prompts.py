@@ -6,8 +6,7 @@ import json
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_text
-from sparrow.options import check_output
+from sparrow.io import atomic_write_text, check_output
 from sparrow.tasks import get_task
 from sparrow.tasks.fitting import length_targets, prompt_length
 from sparrow.typed_config import option

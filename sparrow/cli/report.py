@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparrow.options import check_output
+from sparrow.io import check_output
 from sparrow.rl.report import write_report
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from sparrow.attention import SparseConfig
 from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
+from sparrow.io import check_output, require_file
 from sparrow.options import (
     SCHEDULE_HELP,
     DataSection,
@@ -21,8 +22,6 @@ from sparrow.options import (
     SamplingSection,
     ScheduledSparseSection,
     SparseSection,
-    check_output,
-    require_file,
 )
 from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
