@@ -176,7 +176,14 @@ def _sparse_counts(cached: np.ndarray, budget: np.ndarray | None, page_size: int
 
 def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: int, sum_sparse: int,
             sum_scored: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv) -> StepCost:
-    """Cost of `steps` decode steps of `batch` sequences from token and landmark counts summed over the steps."""
+    """Cost of `steps` decode steps of `batch` sequences from token and landmark counts summed over the steps.
+
+    Weights are read once for the batch (2 FLOPs per weight per sequence). Each sequence, per layer, reads K and V
+    of the tokens it attends (4 * heads * head_dim FLOPs per token for QK and PV) and writes the new token's K
+    and V; in a sparse layer that selects, it also reads and scores the landmarks of its full pages, at the bytes
+    and FLOPs per page of the landmark's registry entry (attention/landmarks.py; centroid: one vector per KV head
+    scored with the group-mean query; quest: min and max, scored per query head).
+    """
     sparse_layers = dims.layers - dense_layers
     per_kv_head = dims.kv_heads * dims.head_dim
     tokens_read = dense_layers * sum_cached + sparse_layers * sum_sparse
@@ -192,25 +199,6 @@ def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: i
         attn_flops=batch * 4 * dims.heads * dims.head_dim * tokens_read,
         score_flops=batch * page_flops * sparse_layers * sum_scored,
     )
-
-
-def step_cost(dims: ModelDims, hw: Hardware, batch: int, cached: int, budget: int | None, page_size: int,
-              dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> StepCost:
-    """One decode step of `batch` sequences with `cached` tokens each (the new one included); budget None = dense.
-
-    Weights are read once for the batch (2 FLOPs per weight per sequence). Each sequence, per layer, reads K and V
-    of the tokens it attends (4 * heads * head_dim FLOPs per token for QK and PV) and writes the new token's K
-    and V; in a sparse layer that selects, it also reads and scores the landmarks of its full pages, at the bytes
-    and FLOPs per page of the landmark's registry entry (attention/landmarks.py; centroid: one vector per KV head
-    scored with the group-mean query; quest: min and max, scored per query head).
-    """
-    _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
-    if batch < 1 or cached < 1:
-        raise SparrowError(f"batch and cached length must be >= 1, got {batch} and {cached}")
-    n = np.array([cached], dtype=np.int64)
-    sum_sparse, sum_scored = _sparse_counts(n, None if budget is None else np.array([budget], np.int64), page_size)
-    return _decode(dims, hw, batch, 1, cached, sum_sparse, sum_scored, dense_layers, landmark, bytes_per_param,
-                   bytes_per_kv)
 
 
 def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param=2, bytes_per_kv=2) -> StepCost:
@@ -231,13 +219,6 @@ def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param
     )
 
 
-def _schedule_budgets(schedule: Schedule, cached: np.ndarray) -> np.ndarray:
-    """schedule.budget_at for every length at once."""
-    starts = np.asarray(schedule.starts, dtype=np.int64)
-    idx = np.clip(np.searchsorted(starts, cached, side="right") - 1, 0, None)
-    return np.asarray(schedule.budgets, dtype=np.int64)[idx]
-
-
 def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
                     page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
                     bytes_per_kv=2) -> TrajectoryCost:
@@ -254,7 +235,7 @@ def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_le
         sum_sparse, sum_scored = sum_cached, 0
     else:
         cached = np.arange(first, last + 1, dtype=np.int64)
-        sum_sparse, sum_scored = _sparse_counts(cached, _schedule_budgets(schedule, cached), page_size)
+        sum_sparse, sum_scored = _sparse_counts(cached, schedule.budget_for(cached), page_size)
     decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, dense_layers, landmark,
                      bytes_per_param, bytes_per_kv)
     prefill = prefill_cost(dims, hw, prompt_len, bytes_per_param, bytes_per_kv)

@@ -21,12 +21,18 @@ from sparrow.measure.cost_model import (
     hardware,
     paper_cost,
     prefill_cost,
-    step_cost,
     tokens_per_verify,
     trajectory_cost,
 )
 from sparrow.model_shapes import SMOLLM2_135M, model_config, model_dims
 from sparrow.schedules import DENSE, const, parse_schedule, steps
+
+
+def step_cost(dims, hw, batch, cached, budget, page_size, **options):
+    """One decode step of `batch` sequences holding `cached` tokens each (the new one included; budget None:
+    dense): the decode part of a one-step trajectory."""
+    schedule = DENSE if budget is None else const(budget)
+    return trajectory_cost(dims, hw, schedule, cached - 1, 1, batch, page_size, **options).decode
 
 SMALL = ModelDims(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=259, params=1000,
                   tied_embeddings=True)
