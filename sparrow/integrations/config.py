@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.options import SparseSection
+from sparrow.rl.adaptive import ADAPTIVE
 from sparrow.rl.config import AdaptiveSection, MonitorSection
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
 
-ADAPTIVE = "adaptive"
 CORRECTIONS = ("auto", "trl")
 
 
@@ -27,24 +28,25 @@ class SparrowConfig:
     schedule_file: the file the vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@schedule_file`); default
       `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.
     landmark, dense_layers, page_size: the sparse attention, as `sparrow train`'s options.
+    The defaults are `sparrow train`'s: read from its sections (MonitorSection, SparseSection, AdaptiveSection).
     correction: `auto` (TRL's importance sampling correction becomes token-level truncation, Sparrow's TIS, unless
       the GRPOConfig names another `vllm_importance_sampling_mode` than TRL's default) or `trl` (GRPOConfig's as
       it is, TRL's default included); the trainer logs which is in force.
     """
 
     schedule: str = ADAPTIVE
-    tau: float = 0.86
-    bin_size: int = 2000
-    monitor_share: float = 1.0
-    monitor_every: int = 1
+    tau: float = MonitorSection.tau
+    bin_size: int = MonitorSection.bin_size
+    monitor_share: float = MonitorSection.monitor_share
+    monitor_every: int = MonitorSection.monitor_every
     schedule_file: str | None = None
-    landmark: str = "centroid"
-    dense_layers: str = "0,1"
-    page_size: int = 16
-    adaptive_start: str = "dense"
-    adaptive_margin: float = 0.02
-    adaptive_patience: int = 2
-    adaptive_min_tokens: int = 200
+    landmark: str = SparseSection.landmark
+    dense_layers: str = SparseSection.dense_layers
+    page_size: int = SparseSection.page_size
+    adaptive_start: str = AdaptiveSection.start
+    adaptive_margin: float = AdaptiveSection.margin
+    adaptive_patience: int = AdaptiveSection.patience
+    adaptive_min_tokens: int = AdaptiveSection.min_tokens
     correction: str = "auto"
 
     def __post_init__(self) -> None:

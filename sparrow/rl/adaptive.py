@@ -28,6 +28,8 @@ from sparrow.errors import SparrowError
 from sparrow.measure.tail import quantile_interval
 from sparrow.schedules import Schedule
 
+ADAPTIVE = "adaptive"  # the schedule option's value that selects the adaptive schedule (`sparrow train`, TRL)
+
 
 def ladder(page_size: int, always_kept_pages: int, max_length: int) -> list[int]:
     """Budgets in tokens: the always-kept pages, then 2^k pages, up to the first that covers `max_length`."""

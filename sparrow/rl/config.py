@@ -26,12 +26,12 @@ from sparrow.options import (
 from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
 
+from .adaptive import ADAPTIVE
 from .distill import DistillConfig
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
 MONITORS = ("exact", "bounds")
 NON_FINITE_ACTIONS = ("skip", "stop")
-ADAPTIVE = "adaptive"
 
 
 def _check_choice(name: str, value, known) -> None:

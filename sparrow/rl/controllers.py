@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 from sparrow.schedules import Schedule
 
 from .adaptive import AdaptiveState, by_bin, update
-from .config import TrainConfig
+from .config import AdaptiveSection, TrainConfig
 from .probes import SwitchState, observe_probe, probe
 from .step import Policy, StepBatch
 
@@ -54,12 +56,12 @@ class FixedSchedule(ScheduleController):
 
 
 class AdaptiveSchedule(ScheduleController):
-    """The adaptive controller: the schedule in force and one rung cheaper are measured every step, and each
-    bin's budget moves as `adaptive.update` decides; the budgets in force go into the metrics as
-    `adaptive/bin_<start>/budget`."""
+    """The adaptive controller of `sparrow train` and of the TRL integration: the schedule in force and one rung
+    cheaper are measured every step, and each bin's budget moves as `adaptive.update` decides (`observe`); the
+    budgets in force go into the metrics as `adaptive/bin_<start>/budget` (`budget_metrics`)."""
 
-    def __init__(self, config: TrainConfig, start: AdaptiveState):
-        self.config, self.current = config, start
+    def __init__(self, start: AdaptiveState, tau: float, rule: AdaptiveSection):
+        self.current, self.tau, self.rule = start, tau, rule
 
     def schedule(self) -> Schedule:
         return self.current.schedule()
@@ -67,16 +69,26 @@ class AdaptiveSchedule(ScheduleController):
     def measure(self) -> dict[str, Schedule]:
         return {"cheaper": self.current.schedule(-1)}
 
-    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+    def budget_metrics(self) -> dict[str, int]:
+        """Each bin's budget in force, by the bin's first cached length."""
         state = self.current
-        for i, budget in enumerate(state.budgets):
-            metrics[f"adaptive/bin_{i * state.bin_size}/budget"] = budget
+        return {f"adaptive/bin_{i * state.bin_size}/budget": budget for i, budget in enumerate(state.budgets)}
+
+    def observe(self, current: np.ndarray, cheaper: np.ndarray, positions: np.ndarray) -> list[str]:
+        """One step's exact acceptance of its measured tokens under the schedule in force and one rung cheaper, at
+        their cached lengths `positions`: each bin's move. Returns what moved."""
+        size, rule = self.current.bin_size, self.rule
+        positions = np.asarray(positions).astype(np.int64)
+        self.current, moved = update(self.current, by_bin(current, positions, size), by_bin(cheaper, positions, size),
+                                     self.tau, rule.margin, rule.patience, rule.min_tokens)
+        return moved
+
+    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+        metrics.update(self.budget_metrics())
         if done.exact is None:
             return []
-        positions, size, ad = done.exact_at.cpu().numpy(), state.bin_size, self.config.adaptive
-        self.current, moved = update(state, by_bin(done.exact.cpu().numpy(), positions, size),
-                                     by_bin(done.measured["cheaper"].cpu().numpy(), positions, size),
-                                     self.config.monitor.tau, ad.margin, ad.patience, ad.min_tokens)
+        moved = self.observe(done.exact.cpu().numpy(), done.measured["cheaper"].cpu().numpy(),
+                             done.exact_at.cpu().numpy())
         return [f"step {step}: adaptive schedule: {event}" for event in moved]
 
     def state(self) -> dict:

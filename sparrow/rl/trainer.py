@@ -196,8 +196,8 @@ def _controller(config: TrainConfig, policy: Policy, backend, examples: list, pr
     if config.parsed.adaptive:
         longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
         sparse = config.parsed.sparse
-        return AdaptiveSchedule(config, start_state(config.parsed.schedule, config.monitor.bin_size, longest,
-                                                    sparse.page_size, sparse.always_kept_pages))
+        return AdaptiveSchedule(start_state(config.parsed.schedule, config.monitor.bin_size, longest, sparse.page_size,
+                                            sparse.always_kept_pages), config.monitor.tau, config.adaptive)
     if config.parsed.switch_schedule is not None:
         return SwitchSchedule(config, policy, backend, probes)
     return FixedSchedule(config.parsed.schedule)
