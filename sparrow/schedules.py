@@ -86,6 +86,21 @@ class Schedule:
         """Bins as `[{"start": s, "kv_budget": b}, ...]`, the format parse_schedule reads from files."""
         return [{"start": s, "kv_budget": b} for s, b in zip(self.starts, self.budgets)]
 
+    @classmethod
+    def from_json(cls, name: str, bins, where: str = "schedule") -> Schedule:
+        """The inverse of `to_json`, unvalidated; a SparrowError naming `where` and the bad bin otherwise."""
+        if not isinstance(bins, list):
+            raise SparrowError(f"{where} holds a {type(bins).__name__}; expected a list of "
+                               '{"start", "kv_budget"} objects or an object with "bins"')
+        starts, budgets = [], []
+        for i, item in enumerate(bins):
+            if not isinstance(item, dict) or "start" not in item or "kv_budget" not in item:
+                raise SparrowError(f"{where}: bin {i} is {item!r}; "
+                                   'expected {"start": int, "kv_budget": int}')
+            starts.append(_as_int(item["start"], f"{where} bin {i} start"))
+            budgets.append(_as_int(item["kv_budget"], f"{where} bin {i} kv_budget"))
+        return cls(name, tuple(starts), tuple(budgets))
+
     def validate(self, page_size: int, always_kept_pages: int) -> None:
         """Raise SparrowError unless budgets are whole pages covering the always-kept ones and bins are ordered."""
         if page_size <= 0:
@@ -161,11 +176,6 @@ def __getattr__(name: str):
 DEFAULT_KEPT_PAGES = 3  # SparseConfig's default always-kept pages: 1 sink + 2 recent (a test holds them equal)
 
 
-def preset_names() -> list[str]:
-    """Names of the published presets, in the JSON's order (by model, then target)."""
-    return list(_load_presets())
-
-
 def parse_schedule(spec: str, page_size: int = 16,
                    always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Schedule:
     """Build and validate a schedule from a command-line or config string (forms listed in the error below); its
@@ -176,12 +186,13 @@ def parse_schedule(spec: str, page_size: int = 16,
 
 
 def read_schedule_file(path: str | os.PathLike, page_size: int = 16,
-                       always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Schedule:
+                       always_kept_pages: int = DEFAULT_KEPT_PAGES) -> tuple[Schedule, int | None]:
     """A JSON schedule file (the forms `parse_schedule` reads from a file), validated as `parse_schedule` does,
-    whatever its name looks like."""
-    schedule = _read_file(Path(path), page_size)
+    whatever its name looks like, and its top-level "version" (None when it has none; the run-time file a vLLM
+    plugin follows carries one)."""
+    schedule, version = _read_file(Path(path), page_size)
     schedule.validate(page_size, always_kept_pages)
-    return schedule
+    return schedule, version
 
 
 def split_schedules(text: str) -> list[str]:
@@ -219,7 +230,7 @@ def _parse(spec: str, page_size: int) -> Schedule:
             raise SparrowError(f"preset {spec!r} is defined for page size {PRESET_PAGE_SIZE}, not {page_size}")
         return presets[spec]
     if spec.endswith(".json") or os.sep in spec or "/" in spec or Path(spec).is_file():
-        return _read_file(Path(spec), page_size)
+        return _read_file(Path(spec), page_size)[0]
     if ":" in spec:
         return _parse_pairs(spec)
     raise SparrowError(f"unknown schedule {spec!r}: expected {_FORMS}, a preset name "
@@ -239,8 +250,9 @@ def _parse_pairs(spec: str) -> Schedule:
     return Schedule(spec, tuple(starts), tuple(budgets))
 
 
-def _read_file(path: Path, page_size: int) -> Schedule:
-    """A JSON file: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?}."""
+def _read_file(path: Path, page_size: int) -> tuple[Schedule, int | None]:
+    """A JSON file: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?, "version"?};
+    the schedule and the version (None without one)."""
     if path.is_dir():
         raise SparrowError(f"schedule file {str(path)!r} is a directory; expected a JSON schedule file")
     if not path.is_file():
@@ -249,7 +261,7 @@ def _read_file(path: Path, page_size: int) -> Schedule:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SparrowError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
-    name = path.stem
+    name, version = path.stem, None
     if isinstance(data, dict):
         if "bins" not in data:
             raise SparrowError(f"schedule file {str(path)!r} has no 'bins' key; expected a list of "
@@ -257,21 +269,13 @@ def _read_file(path: Path, page_size: int) -> Schedule:
         if "page_size" in data and data["page_size"] != page_size:
             raise SparrowError(f"schedule file {str(path)!r} is for page size {data['page_size']!r}, "
                                f"but page size {page_size} was requested")
-        name = data.get("name", name)
+        name, version = data.get("name", name), data.get("version")
         if not isinstance(name, str):
             raise SparrowError(f"schedule file {str(path)!r}: name {name!r} is not a string")
+        if version is not None and (type(version) is not int or version < 0):
+            raise SparrowError(f"schedule file {str(path)!r}: version {version!r} is not an integer >= 0")
         data = data["bins"]
-    if not isinstance(data, list):
-        raise SparrowError(f"schedule file {str(path)!r} holds a {type(data).__name__}; expected a list of "
-                           '{"start", "kv_budget"} objects or an object with "bins"')
-    starts, budgets = [], []
-    for i, item in enumerate(data):
-        if not isinstance(item, dict) or "start" not in item or "kv_budget" not in item:
-            raise SparrowError(f"schedule file {str(path)!r}: bin {i} is {item!r}; "
-                               'expected {"start": int, "kv_budget": int}')
-        starts.append(_as_int(item["start"], f"schedule file {str(path)!r} bin {i} start"))
-        budgets.append(_as_int(item["kv_budget"], f"schedule file {str(path)!r} bin {i} kv_budget"))
-    return Schedule(name, tuple(starts), tuple(budgets))
+    return Schedule.from_json(name, data, f"schedule file {str(path)!r}"), version
 
 
 def _parse_int(text: str, what: str, spec: str) -> int:
@@ -292,7 +296,34 @@ def _as_int(value, what: str) -> int:
         raise SparrowError(f"{what} {value!r} is not an integer") from None
 
 
-def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: int = 16) -> Path:
-    """Atomically write `{"name", "page_size", "bins"}` so a reader never sees a half-written file."""
-    schedule.validate(page_size, 0)
-    return atomic_write_json(path, {"name": schedule.name, "page_size": page_size, "bins": schedule.to_json()})
+def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: int = 16, *,
+                        version: int | None = None, always_kept_pages: int = DEFAULT_KEPT_PAGES,
+                        restart: bool = False) -> Path:
+    """The one writer of schedule files: `{"name", "page_size", "version"?, "bins"}`, replaced atomically so a
+    reader (the vLLM plugin following the file) never sees half of it. Refused, as its reader would refuse it, when
+    a budget is not whole pages or holds fewer than `always_kept_pages` pages. With a `version` (the run-time file
+    a plugin follows), a version below the one the file holds is refused unless `restart`: a new run starting the
+    file over."""
+    if version is not None:
+        if type(version) is not int or version < 0:
+            raise SparrowError(f"schedule version {version!r} is not an integer >= 0")
+        held = None if restart else _version_held(Path(path))
+        if held is not None and version < held:
+            raise SparrowError(f"schedule file {str(path)!r} holds version {held}; refusing to write version "
+                               f"{version} over it: versions only go up (the plugin reports the version in force), "
+                               "so write the next one, or pass restart=True to start the file over for a new run")
+    schedule.validate(page_size, always_kept_pages)
+    data = {"name": schedule.name, "page_size": page_size}
+    if version is not None:
+        data["version"] = version
+    return atomic_write_json(path, {**data, "bins": schedule.to_json()})
+
+
+def _version_held(path: Path) -> int | None:
+    """The version a schedule file holds now; None when it has none or cannot be read (nothing to go back from)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    version = data.get("version") if isinstance(data, dict) else None
+    return version if type(version) is int else None

@@ -20,7 +20,6 @@ from sparrow.schedules import (
     const,
     page_bin_starts,
     parse_schedule,
-    preset_names,
     split_schedules,
     steps,
     write_schedule_json,
@@ -113,8 +112,8 @@ def test_the_issue_example_and_page_bin_starts():
 def test_presets_agree_with_packaged_json():
     """Loader follows the JSON's own encoding: 20 names, budget = 16 * (topk + 1 sink + 2 local)."""
     data = json.loads(JSON_PATH.read_text())
-    assert preset_names() == list(data["topk_pages"]) == list(PRESETS)
-    assert len(preset_names()) == 20 and set(preset_names()) == set(EXPECTED)
+    assert list(PRESETS) == list(data["topk_pages"])
+    assert len(PRESETS) == 20 and set(PRESETS) == set(EXPECTED)
     for name, topk in data["topk_pages"].items():
         assert list(PRESETS[name].budgets) == [16 * (v + 3) for v in topk] == data["kv_budget_tokens"][name]
     assert PRESETS["qwen3-8b-0.86"].budgets[17] == 6208 == 16 * (385 + 3)
@@ -201,7 +200,7 @@ def test_write_then_parse_round_trip(tmp_path, schedule):
 
 def test_write_overwrites_and_honours_page_size(tmp_path):
     path = tmp_path / "s.json"
-    write_schedule_json(const(64), path, page_size=32)
+    write_schedule_json(const(96), path, page_size=32)
     write_schedule_json(const(128), path, page_size=32)
     assert parse_schedule(str(path), page_size=32) == const(128)
     with pytest.raises(SparrowError, match="page size 32.*page size 16 was requested"):

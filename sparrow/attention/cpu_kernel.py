@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from sparrow.io import env_flag
+
 _SOURCE = Path(__file__).parent / "csrc" / "sparse_decode.cpp"
 _NAME = "sparrow_sparse_decode"
 _GUARD = "sparrow-build.lock"
@@ -40,7 +42,7 @@ _tried = False
 
 
 def enabled() -> bool:
-    return os.environ.get("SPARROW_CPU_KERNEL", "1") != "0"
+    return env_flag("SPARROW_CPU_KERNEL", True, "the compiled CPU decode kernel")
 
 
 def load():

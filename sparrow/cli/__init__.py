@@ -10,6 +10,7 @@ from tqdm import std as tqdm_std
 from transformers.utils import logging as hf_logging
 
 from sparrow import huge_pages, models
+from sparrow.attention import cpu_kernel
 from sparrow.engine import packed_linear
 from sparrow.errors import SparrowError
 from sparrow.rewards import sandbox
@@ -59,9 +60,7 @@ def check_environment() -> None:
     """Read every SPARROW_* variable the library reads deep inside a run, so that a value it does not understand is
     refused by name before any model loads (SPARROW_VLLM_* are checked where --backend vllm starts vLLM)."""
     huge_pages.enabled()
-    cpu_kernel = os.environ.get("SPARROW_CPU_KERNEL", "")  # read as "0" (off) or anything else (on) where it is used
-    if cpu_kernel not in ("", "0", "1"):
-        raise SparrowError(f"SPARROW_CPU_KERNEL={cpu_kernel!r}: expected 1 (the compiled CPU decode kernel) or 0")
+    cpu_kernel.enabled()
     packed_linear.usable()
     sandbox.unsafe_from_env()
     models.cache_dir()

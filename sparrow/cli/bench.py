@@ -152,7 +152,7 @@ def _stock_vllm(config: BenchConfig, log) -> float:
     import subprocess
     import sys
 
-    from sparrow.vllm.config import ENV_NAMES
+    from sparrow.vllm.env import ENV_NAMES
 
     directory, gib, length, args = _vllm_setup(config)
     child = ("import json, sys\n"

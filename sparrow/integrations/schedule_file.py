@@ -1,9 +1,9 @@
 """The rollouts' schedule at run time, through the file Sparrow's vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@PATH`).
 
-`RunTimeSchedule` holds the schedule a framework wants next: fixed, or adaptive (sparrow/rl/adaptive.py's
-`start_state` and `update`, driven unchanged by the step's gathered measurements). Every process keeps the same
-state (the same gathered values go in); only the writer (rank 0) writes the file, each change under the next
-version number. After a generate call, `in_force` reads what the plugin reports beside the file (the version that
+`RunTimeSchedule` holds the schedule a framework wants next: fixed, or adaptive (`sparrow train`'s controller,
+sparrow/rl/controllers.py's `AdaptiveSchedule`, driven unchanged by the step's gathered measurements). Every
+process keeps the same state (the same gathered values go in); only the writer (rank 0) writes the file, each
+change under the next version number, and a new run starts the file over at version 1. After a generate call, `in_force` reads what the plugin reports beside the file (the version that
 decoded, and the last refusal), so the monitor measures under the schedule that actually decoded the tokens.
 
 `SparseCoverage` notices a schedule that decodes nothing sparsely at the lengths a run reaches (a budget that covers
@@ -17,10 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.rl.adaptive import by_bin, start_state, update
-from sparrow.schedules import Schedule
-from sparrow.vllm.config import ENV_SCHEDULE, FOLLOW, read_status, status_path, write_schedule
+from sparrow.rl.adaptive import AdaptiveState, start_state
+from sparrow.rl.controllers import AdaptiveSchedule
+from sparrow.schedules import Schedule, write_schedule_json
+from sparrow.vllm.env import ENV_SCHEDULE, FOLLOW
 from sparrow.vllm.plan import sparse_rows
+from sparrow.vllm.status import read_status, status_path
 
 from .config import SparrowConfig
 
@@ -33,36 +35,46 @@ class RunTimeSchedule:
         self.max_length = int(max_length)
         sparse = config.sparse
         start = config.start_schedule()
-        self.state = (start_state(start, config.bin_size, self.max_length, sparse.page_size,
-                                  sparse.always_kept_pages) if config.is_adaptive else None)
-        self.schedule = start if self.state is None else self.state.schedule()
+        self.adaptive = (AdaptiveSchedule(start_state(start, config.bin_size, self.max_length, sparse.page_size,
+                                                      sparse.always_kept_pages), config.tau, config.adaptive)
+                         if config.is_adaptive else None)
+        self.schedule = start if self.adaptive is None else self.adaptive.schedule()
         self.version = 1
+
+    @property
+    def state(self) -> AdaptiveState | None:
+        """The adaptive controller's state (None: a fixed schedule)."""
+        return None if self.adaptive is None else self.adaptive.current
 
     def resize(self, max_length: int) -> bool:
         """Before the first generation: the adaptive bins and budget ladder again, for the longest sequence the
         engine really holds (vLLM's own `max_model_len`), written as the next version. Returns whether it changed."""
         max_length = int(max_length)
-        if self.state is None or max_length == self.max_length:
+        if self.adaptive is None or max_length == self.max_length:
             return False
         resized = RunTimeSchedule(self.config, self.path, max_length, self.writer)
-        self.state, self.schedule, self.max_length = resized.state, resized.schedule, max_length
+        self.adaptive, self.schedule, self.max_length = resized.adaptive, resized.schedule, max_length
         self.version += 1
         self.write()
         return True
 
     def start(self) -> None:
-        """Write version 1 and drop an earlier run's status file, so a stale report is never read as this run's."""
+        """Start the file over at version 1, whatever version an earlier run left in it, and drop that run's status
+        file, so a stale report is never read as this run's."""
         if self.writer:
             status_path(self.path).unlink(missing_ok=True)
-            self.write()
+            self.write(restart=True)
 
-    def write(self) -> None:
+    def write(self, restart: bool = False) -> None:
+        """The schedule under its version (refused if the file holds a later one, unless `restart`)."""
         if self.writer:
-            write_schedule(self.path, self.schedule, self.version, self.config.page_size)
+            sparse = self.config.sparse
+            write_schedule_json(self.schedule, self.path, sparse.page_size, version=self.version,
+                                always_kept_pages=sparse.always_kept_pages, restart=restart)
 
     def measured(self) -> dict[str, Schedule]:
         """The schedules teacher-forced beside the one in force: the adaptive controller's one-rung-cheaper one."""
-        return {} if self.state is None else {"cheaper": self.state.schedule(-1)}
+        return {} if self.adaptive is None else self.adaptive.measure()
 
     def in_force(self) -> tuple[Schedule, int, list[str]]:
         """The schedule the plugin reports in force (its version), and a warning when it is not the one written
@@ -72,8 +84,7 @@ class RunTimeSchedule:
             raise SparrowError(f"Sparrow's vLLM plugin reported no schedule beside {str(self.path)!r} after a "
                                f"generate call: expected the vLLM engine started with {ENV_SCHEDULE}="
                                f"{FOLLOW}{self.path} (in TRL's server mode, set it for `trl vllm-serve`)")
-        bins = status["bins"]
-        schedule = Schedule(status["name"], tuple(b["start"] for b in bins), tuple(b["kv_budget"] for b in bins))
+        schedule = Schedule.from_json(status["name"], status["bins"], f"status file {str(status_path(self.path))!r}")
         warnings = []
         if status["version"] != self.version:
             why = f": the plugin refused it ({status['refused']})" if status.get("refused") else ""
@@ -84,24 +95,19 @@ class RunTimeSchedule:
     def update(self, current: np.ndarray, cheaper: np.ndarray, positions: np.ndarray) -> list[str]:
         """The adaptive controller's step on the exact acceptance under the schedule in force and one rung
         cheaper; a move is written as the next version. Returns what moved."""
-        if self.state is None:
+        if self.adaptive is None:
             return []
-        cfg, positions = self.config, np.asarray(positions).astype(np.int64)
-        size = cfg.bin_size
-        self.state, moved = update(self.state, by_bin(current, positions, size), by_bin(cheaper, positions, size),
-                                   cfg.tau, cfg.adaptive_margin, cfg.adaptive_patience, cfg.adaptive_min_tokens)
+        moved = self.adaptive.observe(current, cheaper, positions)
         if moved:
-            self.schedule, self.version = self.state.schedule(), self.version + 1
+            self.schedule, self.version = self.adaptive.schedule(), self.version + 1
             self.write()
         return moved
 
     def metrics(self, version_in_force: int) -> dict[str, float]:
         """The version that decoded the step, and with the adaptive schedule each bin's budget written next."""
-        out = {"sparrow/schedule_version": float(version_in_force)}
-        if self.state is not None:
-            for i, budget in enumerate(self.state.budgets):
-                out[f"adaptive/bin_{i * self.state.bin_size}/budget"] = float(budget)
-        return out
+        budgets = {} if self.adaptive is None else self.adaptive.budget_metrics()
+        return {"sparrow/schedule_version": float(version_in_force),
+                **{name: float(budget) for name, budget in budgets.items()}}
 
 
 def first_sparse_length(schedule: Schedule, page_size: int, low: int, high: int) -> int | None:

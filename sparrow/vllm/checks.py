@@ -1,6 +1,7 @@
 """What the plugin needs of vLLM's engine, checked when a metadata builder is made and refused with one message.
 
 - Pages: our page size divides vLLM's KV block size, and the cache is unquantized (landmarks are its keys).
+- Dense layers: the model has every layer SPARROW_VLLM_DENSE_LAYERS names (its layer count is known only here).
 - Tensor parallelism: selection is per KV head from the scores of that head's query heads (the group), so a rank
   applies the rule exactly when it holds whole groups: the KV heads split evenly over the ranks. When the ranks
   outnumber the KV heads, vLLM replicates each KV head and gives each rank part of its group, whose scores differ
@@ -12,8 +13,12 @@
 
 from __future__ import annotations
 
+import os
+
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
+
+from .env import DEFAULT_DENSE_LAYERS, ENV_DENSE_LAYERS
 
 UNSET = "; unset SPARROW_VLLM_SCHEDULE to run stock vLLM"
 
@@ -28,6 +33,16 @@ def check_sparse_config(sparse: SparseConfig, block_size: int, kv_cache_dtype: s
     if is_quantized_kv_cache(kv_cache_dtype):
         raise SparrowError(f"Sparrow's vLLM plugin needs an unquantized KV cache, got kv_cache_dtype="
                            f"{kv_cache_dtype!r}")
+
+
+def check_layers(sparse: SparseConfig, layers: int, environ=None) -> None:
+    """At engine start, where the model's layer count is known: refuse dense layers the model does not have, naming
+    SPARROW_VLLM_DENSE_LAYERS and its value (--backend vllm sets it from --dense-layers)."""
+    past = [i for i in sparse.dense_layers if i >= layers]
+    if past:
+        value = (os.environ if environ is None else environ).get(ENV_DENSE_LAYERS, DEFAULT_DENSE_LAYERS)
+        raise SparrowError(f"{ENV_DENSE_LAYERS}={value!r} names layer {past[0]}, but the model's layer count is "
+                           f"{layers}; expected dense layer indices from 0 to {layers - 1}")
 
 
 def check_parallel(total_kv_heads: int, tensor_parallel: int, context_parallel: int = 1) -> None:

@@ -37,8 +37,9 @@ from sparrow.attention import cpu_kernel
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 
-from .checks import check_engine, check_sparse_config
-from .config import PluginConfig, active
+from .checks import check_engine, check_layers, check_sparse_config
+from .env import PluginConfig
+from .state import active
 from .paged import PageLandmarks, filled_pages, reference_decode
 from .plan import SparsePlan, StockRows, plan_step
 
@@ -121,6 +122,7 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if config is not None and not self.is_cross_attention and not self.is_encoder_only_attention:
             check_sparse_config(config.sparse, self.block_size, self.kv_cache_dtype)
             check_engine(vllm_config)
+            check_layers(config.sparse, vllm_config.model_config.get_total_num_hidden_layers())
             if self.isa not in _READABLE_ISAS:
                 self.isa = "vec"  # AMX repacks keys; the vec kernels read the layout our kernel reads
                 self._set_isa_to_layers(layer_names)

@@ -1,4 +1,4 @@
-"""The vLLM plugin entry point: active only when SPARROW_VLLM_SCHEDULE is set (config.py).
+"""The vLLM plugin entry point: active only when SPARROW_VLLM_SCHEDULE is set (env.py).
 
 vLLM runs general plugins in every process it starts (the API server, the engine core, each worker), so this
 reads the environment, refuses a bad configuration with one message, and registers Sparrow's attention backend
@@ -10,7 +10,8 @@ has to be passed to `LLM(...)`. The CUDA path has not run on a GPU yet (scripts/
 
 from __future__ import annotations
 
-from .config import activate, from_environment
+from .env import from_environment
+from .state import activate
 
 CPU_BACKEND = "sparrow.vllm.cpu_attention.SparrowCPUAttentionBackend"
 

@@ -40,8 +40,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from sparrow.errors import SparrowError
 
-from .checks import check_engine, check_sparse_config
-from .config import PluginConfig, active
+from .checks import check_engine, check_layers, check_sparse_config
+from .env import PluginConfig
+from .state import active
 from .graph_decode import DecodeGraphBuffers, DecodeGraphPlan, graph_sparse_decode, largest_budget_pages
 from .paged import PageLandmarks, filled_pages, physical_pages
 from .plan import SparsePlan, plan_step
@@ -113,6 +114,7 @@ class SparrowBuilderMixin:
         if config is not None:
             check_sparse_config(config.sparse, kv_cache_spec.block_size, "auto")
             check_engine(vllm_config)
+            check_layers(config.sparse, vllm_config.model_config.get_total_num_hidden_layers())
             self.graph_buffers = graph_buffers(vllm_config, config, device)
 
     @classmethod

@@ -19,8 +19,8 @@ from sparrow.cli import main
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text
 from sparrow.rl.run_dir import check_resume_data, repair_metrics
-from sparrow.schedules import const
-from sparrow.vllm import config as plugin_config
+from sparrow.schedules import DENSE, const
+from sparrow.vllm import env as plugin_env
 
 ROWS = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(4)]
 TRAIN = ["train", "--model", "tiny-qwen3", "--reward", "first_number", "--steps", "2", "--save-every", "1",
@@ -222,17 +222,17 @@ def test_a_refused_schedule_says_which_rule_it_breaks(capsys):
 ], ids=["page-size-disagrees", "page-size-invalid", "schedule-invalid", "landmark-disagrees"])
 def test_a_users_plugin_variable_that_is_bad_or_disagrees_is_refused(env, message):
     with pytest.raises(SparrowError) as caught:
-        plugin_config.check_environment(SparseConfig(), env)
+        plugin_env.check_environment(SparseConfig(), env)
     assert str(caught.value).startswith(message)
 
 
 def test_a_users_plugin_schedule_must_be_the_commands():
-    assert plugin_config.check_environment(SparseConfig(), {"SPARROW_VLLM_PAGE_SIZE": "16"}) is None
-    wanted = plugin_config.check_environment(SparseConfig(), {"SPARROW_VLLM_SCHEDULE": "const:64"})
-    plugin_config.check_schedule(wanted, const(64))
+    assert plugin_env.check_environment(SparseConfig(), {"SPARROW_VLLM_PAGE_SIZE": "16"}) is None
+    wanted = plugin_env.check_environment(SparseConfig(), {"SPARROW_VLLM_SCHEDULE": "const:64"})
+    plugin_env.check_schedule(wanted, const(64))
     with pytest.raises(SparrowError, match="SPARROW_VLLM_SCHEDULE='const:64' disagrees with the command's schedule "
                                            "'dense'"):
-        plugin_config.check_schedule(wanted, plugin_config.DENSE)
+        plugin_env.check_schedule(wanted, DENSE)
 
 
 def test_generate_with_backend_vllm_refuses_a_disagreeing_variable_before_vllm_starts(tmp_path, monkeypatch, capsys):

@@ -15,8 +15,9 @@ from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.measure.tail import bin_tails
 from sparrow.rl.adaptive import by_bin, start_state, update
 from sparrow.rl.config import MonitorSection
-from sparrow.schedules import const
-from sparrow.vllm import config as plugin_config
+from sparrow.schedules import const, read_schedule_file
+from sparrow.vllm import env as plugin_env
+from sparrow.vllm import state as plugin_state
 from tests.conftest import random_prompts
 
 SCHEDULE = const(48)
@@ -122,7 +123,7 @@ def test_the_adaptive_schedule_drives_rl_adaptive_unchanged_and_writes_versions(
     runtime.start()
     reference = start_state(const(128), 256, 512, 16, 3)
     assert runtime.state == reference
-    assert plugin_config.read_schedule(path, SparseConfig())[1] == 1
+    assert read_schedule_file(path)[1] == 1
     positions = np.concatenate([np.full(200, 100), np.full(200, 300)])
     current = np.concatenate([np.full(200, 0.5), np.full(200, 1.0)])  # bin 0 fails tau, bin 1 holds it easily
     cheaper = np.concatenate([np.full(200, 0.4), np.full(200, 0.99)])
@@ -130,7 +131,7 @@ def test_the_adaptive_schedule_drives_rl_adaptive_unchanged_and_writes_versions(
     expected, events = update(reference, by_bin(current, positions, 256), by_bin(cheaper, positions, 256), 0.9, 0.0,
                               1, 10)
     assert moved == events and len(moved) == 2 and runtime.state == expected
-    schedule, version = plugin_config.read_schedule(path, SparseConfig())
+    schedule, version = read_schedule_file(path)
     assert version == 2 and list(schedule.budgets) == expected.budgets == [256, 64]
     assert runtime.metrics(2) == {"sparrow/schedule_version": 2.0, "adaptive/bin_0/budget": 256.0,
                                   "adaptive/bin_256/budget": 64.0}
@@ -145,20 +146,20 @@ def test_the_schedule_in_force_is_read_from_the_plugins_report(tmp_path):
     runtime.start()
     with pytest.raises(SparrowError, match=r"reported no schedule .*SPARROW_VLLM_SCHEDULE=@"):
         runtime.in_force()
-    before = plugin_config.active()
+    before = plugin_state.active()
     try:
-        plugin_config.activate(plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"}))
-        plugin_config.active()  # the engine's first step: the report is written
+        plugin_state.activate(plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"}))
+        plugin_state.active()  # the engine's first step: the report is written
         schedule, version, warnings = runtime.in_force()
         assert (schedule.budgets, version, warnings) == ((64,), 1, [])
         runtime.version += 1  # as if a version 2 had been written and refused by the plugin
         path.write_text('{"bins": [{"start": 0, "kv_budget": 8}]}')
-        plugin_config.active()
+        plugin_state.active()
         schedule, version, warnings = runtime.in_force()
         assert (schedule.budgets, version) == ((64,), 1)
         assert len(warnings) == 1 and "not version 2" in warnings[0] and "refused" in warnings[0]
     finally:
-        plugin_config.activate(before)
+        plugin_state.activate(before)
 
 
 def test_a_bad_sparrow_config_names_the_value():

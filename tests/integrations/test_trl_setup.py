@@ -17,8 +17,7 @@ from sparrow.errors import SparrowError
 from sparrow.integrations.config import SparrowConfig
 from sparrow.integrations.schedule_file import RunTimeSchedule, SparseCoverage, first_sparse_length
 from sparrow.integrations.versions import quiet_tested_vllm_warning
-from sparrow.schedules import DENSE, const, parse_schedule
-from sparrow.vllm import config as plugin_config
+from sparrow.schedules import DENSE, const, parse_schedule, read_schedule_file
 from tests.conftest import save_tiny_for_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,7 +153,7 @@ def test_the_adaptive_bins_are_rebuilt_for_the_length_the_engine_holds(tmp_path)
     assert not runtime.resize(4096)  # the same length: nothing written
     assert runtime.resize(1024) and runtime.version == 2 and runtime.max_length == 1024
     assert len(runtime.state.rungs) == 2 and runtime.state.ladder[-1] == 1024
-    schedule, version = plugin_config.read_schedule(path, config.sparse)
+    schedule, version = read_schedule_file(path, config.sparse.page_size, config.sparse.always_kept_pages)
     assert version == 2 and schedule.starts == (0, 512) and schedule.budgets == (1024, 1024)
     fixed = RunTimeSchedule(SparrowConfig(schedule="const:256"), tmp_path / "fixed.json", 4096, writer=True)
     assert not fixed.resize(1024)  # a fixed schedule has no bins to rebuild

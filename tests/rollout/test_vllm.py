@@ -20,7 +20,7 @@ from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.schedules import const, parse_schedule
-from sparrow.vllm import config as plugin_config
+from sparrow.vllm import env as plugin_env
 from sparrow.vllm.paged import PageLandmarks, physical_pages, reference_decode
 from tests.conftest import random_prompts, save_tiny_for_vllm
 
@@ -95,19 +95,19 @@ def test_paged_decode_equals_the_engines_decode_in_the_reference_and_the_kernel(
 
 
 def test_the_plugin_is_configured_from_the_environment_and_refuses_bad_values():
-    assert plugin_config.from_environment({}) is None
-    config = plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": "0:512,3584:1024",
+    assert plugin_env.from_environment({}) is None
+    config = plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": "0:512,3584:1024",
                                              "SPARROW_VLLM_LANDMARK": "quest", "SPARROW_VLLM_DENSE_LAYERS": "0"})
     assert config.schedule.starts == (0, 3584) and config.schedule.budgets == (512, 1024)
     assert config.sparse.landmark == "quest" and config.sparse.dense_layers == (0,)
-    env = plugin_config.environment_for(config.sparse, config.schedule)
-    assert plugin_config.from_environment(env) == plugin_config.PluginConfig(config.sparse,
+    env = plugin_env.environment_for(config.sparse, config.schedule)
+    assert plugin_env.from_environment(env) == plugin_env.PluginConfig(config.sparse,
                                                                              parse_schedule("0:512,3584:1024"))
     for bad, named in ((("SPARROW_VLLM_SCHEDULE", "const:20"), "SPARROW_VLLM_SCHEDULE='const:20'"),
                        (("SPARROW_VLLM_LANDMARK", "median"), "unknown landmark 'median'"),
                        (("SPARROW_VLLM_PAGE_SIZE", "x"), "SPARROW_VLLM_PAGE_SIZE='x'")):
         with pytest.raises(SparrowError, match=named.replace("(", r"\(")):
-            plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": "const:256", bad[0]: bad[1]})
+            plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": "const:256", bad[0]: bad[1]})
 
 
 def test_a_page_size_that_does_not_divide_the_block_size_is_refused():
@@ -122,7 +122,7 @@ def test_a_page_size_that_does_not_divide_the_block_size_is_refused():
 
 
 def test_the_cpu_block_holds_one_page_where_vllm_allows():
-    assert [plugin_config.cpu_block_size(p) for p in (16, 32, 8, 4, 48)] == [16, 32, 16, 16, 48]
+    assert [plugin_env.cpu_block_size(p) for p in (16, 32, 8, 4, 48)] == [16, 32, 16, 16, 48]
 
 
 def test_missing_vllm_is_one_message(monkeypatch):
@@ -256,7 +256,7 @@ def _vllm_in_subprocess(tmp_path, prompts, plugin_env: dict) -> list[list[float]
         "                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1))\n"
         "    print('RESULT' + json.dumps([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,\n"
         "                                  o.outputs[0].token_ids)] for o in outs]))\n")
-    env = {k: v for k, v in os.environ.items() if k not in plugin_config.ENV_NAMES}
+    env = {k: v for k, v in os.environ.items() if k not in plugin_env.ENV_NAMES}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **plugin_env)
     run = subprocess.run([sys.executable, str(script), str(_tmp()) + "/tiny-llama", json.dumps(prompts)],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -267,9 +267,9 @@ def _vllm_in_subprocess(tmp_path, prompts, plugin_env: dict) -> list[list[float]
 def test_a_covering_budget_gives_stock_vllms_log_probs(llama_vllm, tmp_path):
     """Stock vLLM and vLLM with the plugin at a budget covering every request, each in a fresh process."""
     stock = _vllm_in_subprocess(tmp_path, PROMPTS[:2], {})
-    covered = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_config.environment_for(SparseConfig(),
+    covered = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_env.environment_for(SparseConfig(),
                                                                                        "const:1024"))
-    sparse = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_config.environment_for(SparseConfig(), "const:64"))
+    sparse = _vllm_in_subprocess(tmp_path, PROMPTS[:2], plugin_env.environment_for(SparseConfig(), "const:64"))
     for a, b, c in zip(stock, covered, sparse):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
         assert max(abs(x - y) for x, y in zip(a, c)) > 1e-3  # the plugin is on in those processes

@@ -16,8 +16,10 @@ import pytest
 
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.schedules import DENSE, const, parse_schedule
-from sparrow.vllm import config as plugin_config
+from sparrow.schedules import DENSE, const, parse_schedule, write_schedule_json
+from sparrow.vllm import env as plugin_env
+from sparrow.vllm import state as plugin_state
+from sparrow.vllm import status as plugin_status
 from tests.conftest import random_prompts, save_tiny_for_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def followed(tmp_path):
     """A schedule file at const:64 (version 1), followed by the plugin in this process; restored afterwards."""
     path = tmp_path / "schedule.json"
-    plugin_config.write_schedule(path, const(64), 1)
-    before = plugin_config.active()
-    plugin_config.activate(plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"}))
+    write_schedule_json(const(64), path, version=1)
+    before = plugin_state.active()
+    plugin_state.activate(plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"}))
     yield path
-    plugin_config.activate(before)
+    plugin_state.activate(before)
 
 
 def _bins(config):
@@ -39,38 +41,38 @@ def _bins(config):
 
 
 def test_a_written_schedule_is_in_force_at_the_next_step_and_reported_beside_the_file(followed):
-    first = plugin_config.active()
+    first = plugin_state.active()
     assert (_bins(first), first.version) == ([(0, 64)], 1)
-    assert plugin_config.read_status(followed)["version"] == 1
-    plugin_config.write_schedule(followed, parse_schedule("0:64,512:128"), 2)
-    now = plugin_config.active()
+    assert plugin_status.read_status(followed)["version"] == 1
+    write_schedule_json(parse_schedule("0:64,512:128"), followed, version=2)
+    now = plugin_state.active()
     assert (_bins(now), now.version, now.source) == ([(0, 64), (512, 128)], 2, followed)
-    status = plugin_config.read_status(followed)
+    status = plugin_status.read_status(followed)
     assert (status["version"], status["bins"], status["refused"]) == (
         2, [{"start": 0, "kv_budget": 64}, {"start": 512, "kv_budget": 128}], None)
-    plugin_config.write_schedule(followed, DENSE, 3)
-    assert plugin_config.active().schedule.is_dense and plugin_config.active().version == 3
+    write_schedule_json(DENSE, followed, version=3)
+    assert plugin_state.active().schedule.is_dense and plugin_state.active().version == 3
 
 
 def test_a_file_without_a_version_counts_its_changes(followed):
-    plugin_config.active()
+    plugin_state.active()
     followed.write_text(json.dumps([{"start": 0, "kv_budget": 96}]))
-    assert (_bins(plugin_config.active()), plugin_config.active().version) == ([(0, 96)], 2)
+    assert (_bins(plugin_state.active()), plugin_state.active().version) == ([(0, 96)], 2)
     os.utime(followed, ns=(1, 1))  # touched, same content: the same schedule and version
-    assert plugin_config.active().version == 2
+    assert plugin_state.active().version == 2
 
 
 def test_an_unchanged_file_is_not_read_again(followed, monkeypatch):
-    plugin_config.active()
+    plugin_state.active()
     reads = []
-    original = plugin_config.read_schedule
-    monkeypatch.setattr(plugin_config, "read_schedule", lambda *a: reads.append(a) or original(*a))
+    original = plugin_state.read_schedule_file
+    monkeypatch.setattr(plugin_state, "read_schedule_file", lambda *a: reads.append(a) or original(*a))
     for _ in range(5):
-        plugin_config.active()
+        plugin_state.active()
     assert reads == []
-    plugin_config.write_schedule(followed, const(128), 2)
-    plugin_config.active()
-    plugin_config.active()
+    write_schedule_json(const(128), followed, version=2)
+    plugin_state.active()
+    plugin_state.active()
     assert len(reads) == 1
 
 
@@ -81,32 +83,32 @@ def test_an_unchanged_file_is_not_read_again(followed, monkeypatch):
     (None, "does not exist"),
 ])
 def test_a_bad_file_mid_run_is_refused_once_and_the_previous_schedule_stays(followed, caplog, bad, named):
-    plugin_config.active()
+    plugin_state.active()
     if bad is None:
         followed.unlink()
     else:
         followed.write_text(bad)
     with caplog.at_level(logging.WARNING, logger="sparrow.vllm"):
         for _ in range(4):
-            kept = plugin_config.active()
+            kept = plugin_state.active()
     assert (_bins(kept), kept.version) == ([(0, 64)], 1)
     messages = [r.getMessage() for r in caplog.records if r.name == "sparrow.vllm"]
     assert len(messages) == 1 and named in messages[0] and "version 1 (const:64) stays in force" in messages[0]
-    assert named in plugin_config.read_status(followed)["refused"]
-    plugin_config.write_schedule(followed, const(256), 5)  # a good file again: in force, the refusal cleared
-    assert (_bins(plugin_config.active()), plugin_config.active().version) == ([(0, 256)], 5)
-    assert plugin_config.read_status(followed)["refused"] is None
+    assert named in plugin_status.read_status(followed)["refused"]
+    write_schedule_json(const(256), followed, version=5)  # a good file again: in force, the refusal cleared
+    assert (_bins(plugin_state.active()), plugin_state.active().version) == ([(0, 256)], 5)
+    assert plugin_status.read_status(followed)["refused"] is None
 
 
 def test_a_bad_file_at_engine_start_stops_with_one_message_naming_it(tmp_path):
     path = tmp_path / "schedule.json"
     path.write_text('{"bins": [{"start": 0, "kv_budget": 20}]}')
     with pytest.raises(SparrowError, match=r"SPARROW_VLLM_SCHEDULE='@.*schedule.json'.*budget 20"):
-        plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"})
+        plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"})
     with pytest.raises(SparrowError, match="does not exist"):
-        plugin_config.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{tmp_path / 'missing.json'}"})
+        plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{tmp_path / 'missing.json'}"})
     with pytest.raises(SparrowError, match="schedule version 'x' is not an integer >= 0"):
-        plugin_config.write_schedule(path, const(64), "x")
+        write_schedule_json(const(64), path, version="x")
 
 
 # -- in vLLM (CPU, tiny model, fresh process: the plugin reads its environment when vLLM loads it) ----------------
@@ -114,8 +116,8 @@ def test_a_bad_file_at_engine_start_stops_with_one_message_naming_it(tmp_path):
 _SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
-from sparrow.schedules import parse_schedule
-from sparrow.vllm import config as plugin_config
+from sparrow.schedules import parse_schedule, write_schedule_json
+from sparrow.vllm import status as plugin_status
 
 calls = {"n": 0}
 try:
@@ -140,10 +142,10 @@ if __name__ == "__main__":
         if spec == "bad":
             open(path, "w").write('{"bins": [{"start": 0, "kv_budget": 20}]}')
         elif version is not None:
-            plugin_config.write_schedule(path, parse_schedule(spec), version)
+            write_schedule_json(parse_schedule(spec), path, version=version)
         before = calls["n"]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-        status = plugin_config.read_status(path)
+        status = plugin_status.read_status(path)
         rows.append({"logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                   for o in outs],
                      "version": status["version"], "bins": status["bins"], "refused": status["refused"],
@@ -158,12 +160,12 @@ def test_vllm_follows_the_schedule_file_between_generate_calls_and_refuses_a_bad
     and last calls agree, and the status file names the version each call decoded under."""
     model = save_tiny_for_vllm(tmp_path / "tiny-llama")
     path = tmp_path / "schedule.json"
-    plugin_config.write_schedule(path, const(1024), 1)
+    write_schedule_json(const(1024), path, version=1)
     script = tmp_path / "follow.py"
     script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in plugin_config.ENV_NAMES}
+    env = {k: v for k, v in os.environ.items() if k not in plugin_env.ENV_NAMES}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
-               **plugin_config.environment_for(SparseConfig(), f"@{path}"))
+               **plugin_env.environment_for(SparseConfig(), f"@{path}"))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))  # ours only
     prompts = random_prompts([300, 517], seed=3)
     run = subprocess.run([sys.executable, str(script), str(model), str(path), json.dumps(prompts)], env=env,

@@ -19,7 +19,8 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.schedules import const
-from sparrow.vllm import config as plugin_config
+from sparrow.vllm import env as plugin_env
+from sparrow.vllm import state as plugin_state
 from sparrow.vllm.paged import reference_decode
 from tests.rollout.test_vllm_triton import (
     INTERPRETED,
@@ -52,9 +53,9 @@ def test_the_wrapper_under_the_interpreter():
 
 @pytest.fixture
 def active():
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(), const(64)))
-    yield plugin_config.active()
-    plugin_config.activate(None)
+    plugin_state.activate(plugin_env.PluginConfig(SparseConfig(), const(64)))
+    yield plugin_state.active()
+    plugin_state.activate(None)
 
 
 # -- selection: which backend is wrapped for which vLLM choice -----------------------------------------------------
@@ -273,7 +274,7 @@ def test_the_wrapped_impl_keeps_landmarks_and_decodes_as_the_reference(active, l
     """The impl's landmarks from the cache as slots are written (prompt, then one decode token per request); its
     forward on a batch of sparse decodes equals `paged.reference_decode` at the budget in a sparse layer and over
     every page in a dense one; a step without a sparse request is the wrapped kernel's alone."""
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    plugin_state.activate(plugin_env.PluginConfig(SparseConfig(landmark=landmark), const(64)))
     batch = Batch([300, 97, 513], 2, 2, 64, 32, landmark=landmark)
     impl = _impl(batch)
     prompt = torch.cat([batch.slots(r, torch.arange(n - 1)) for r, n in enumerate(batch.lengths)])
@@ -296,7 +297,7 @@ def test_the_wrapped_impl_keeps_landmarks_and_decodes_as_the_reference(active, l
         mp.setattr(TritonAttentionImpl, "forward", stock)
         sparse = impl.forward(_layer(3), query, None, None, batch.kv_cache, meta, torch.zeros(3, 4, 64))
         dense = impl.forward(_layer(1), query, None, None, batch.kv_cache, meta, torch.zeros(3, 4, 64))
-        plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(1024)))
+        plugin_state.activate(plugin_env.PluginConfig(SparseConfig(landmark=landmark), const(1024)))
         covered = _builder().build(0, cm)
         stock_only = impl.forward(_layer(3), query, None, None, batch.kv_cache, covered, torch.zeros(3, 4, 64))
     ref = reference_decode(batch.queries, read, batch.page_table, batch.landmarks, batch.seq_lens, plan.budget_pages,
@@ -313,7 +314,7 @@ def test_the_wrapped_impl_keeps_landmarks_and_decodes_as_the_reference(active, l
 def test_the_wrapped_triton_backend_equals_the_references(active, landmark):
     """Requests 0 and 2 sparse, 1 covered, 3 a prefill chunk of 5 tokens, 4 a one-token prompt tail; layer 3 is
     sparse and layer 0 dense. The wrapped kernel sees the sparse requests as one token long."""
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    plugin_state.activate(plugin_env.PluginConfig(SparseConfig(landmark=landmark), const(64)))
     batch, cm, query = _step([300, 40, 513, 80, 200], [1, 1, 1, 5, 1], [False] * 3 + [True] * 2, landmark)
     impl = _impl(batch)
     impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
@@ -335,7 +336,7 @@ def test_the_wrapped_triton_backend_equals_the_references(active, landmark):
 def test_the_wrapped_fixed_shape_path_equals_the_eager_one_and_the_references(active, landmark):
     """A uniform decode step (0 and 2 sparse, 1 covered, 3 a one-token prompt tail) through the fixed-shape path
     equals the eager wrapped path and the references, in a sparse and a dense layer."""
-    plugin_config.activate(plugin_config.PluginConfig(SparseConfig(landmark=landmark), const(64)))
+    plugin_state.activate(plugin_env.PluginConfig(SparseConfig(landmark=landmark), const(64)))
     batch, cm, query = _step([300, 40, 513, 200], [1, 1, 1, 1], [False, False, False, True], landmark)
     impl = _impl(batch)
     impl.update_landmarks(batch.kv_cache, batch.slot_mapping)
