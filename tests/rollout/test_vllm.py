@@ -242,8 +242,8 @@ def test_sync_weights_changes_the_rollouts_and_restoring_restores_them(llama_vll
     assert backend.generate(PROMPTS[:1], GREEDY, const(64))[0].logprobs == before.logprobs
 
 
-def _vllm_in_subprocess(tmp_path, prompts, plugin_env: dict) -> list[list[float]]:
-    """Greedy log-probs of `prompts` from a fresh vLLM process, with the plugin's variables `plugin_env` only."""
+def _vllm_in_subprocess(tmp_path, prompts, variables: dict) -> list[list[float]]:
+    """Greedy log-probs of `prompts` from a fresh vLLM process, with the plugin's variables `variables` only."""
     script = tmp_path / "run_vllm.py"
     script.write_text(
         "import json, sys\n"
@@ -257,7 +257,7 @@ def _vllm_in_subprocess(tmp_path, prompts, plugin_env: dict) -> list[list[float]
         "    print('RESULT' + json.dumps([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,\n"
         "                                  o.outputs[0].token_ids)] for o in outs]))\n")
     env = {k: v for k, v in os.environ.items() if k not in plugin_env.ENV_NAMES}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **plugin_env)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **variables)
     run = subprocess.run([sys.executable, str(script), str(_tmp()) + "/tiny-llama", json.dumps(prompts)],
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
