@@ -6,6 +6,7 @@ and by importing each layer in a fresh interpreter and listing which `sparrow.*`
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +14,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "sparrow"
-LAYERS = [
-    ["sparrow.errors", "sparrow.io", "sparrow.typed_config", "sparrow.huge_pages"],
-    ["sparrow.schedules", "sparrow.attention", "sparrow.lora", "sparrow.models", "sparrow.model_shapes",
-     "sparrow.metrics"],
-    ["sparrow.engine", "sparrow.datasets", "sparrow.rewards", "sparrow.tasks"],
-    ["sparrow.rollout", "sparrow.vllm", "sparrow.options"],
-    ["sparrow.measure", "sparrow.evaluation"],
-    ["sparrow.rl"],
-    ["sparrow.cli", "sparrow.bench"],
-    ["sparrow.integrations"],
-]
+TABLE = ROOT.parent / "docs" / "architecture.md"
+
+
+def read_layers() -> list[list[str]]:
+    """The layer table of docs/architecture.md ("## Layers": rows `| N | `a/`, `b.py` | ... |`), as module names
+    per layer, layer 0 first."""
+    section = TABLE.read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].isdigit():
+            names = re.findall(r"`([\w/.]+)`", cells[1])
+            rows[int(cells[0])] = ["sparrow." + n.removesuffix("/").removesuffix(".py") for n in names]
+    assert sorted(rows) == list(range(len(rows))), f"{TABLE}: layers numbered {sorted(rows)}; expected 0..N"
+    return [rows[n] for n in range(len(rows))]
+
+
+LAYERS = read_layers()
 
 
 def layer_of(module: str) -> int:
@@ -31,7 +39,7 @@ def layer_of(module: str) -> int:
     for number, members in enumerate(LAYERS):
         if top in members:
             return number
-    raise AssertionError(f"{module} is in no layer of tests/test_layers.py; add its package to LAYERS")
+    raise AssertionError(f"{module} is in no layer; add its package to the layer table of {TABLE}")
 
 
 def _modules() -> dict[str, Path]:
@@ -57,6 +65,13 @@ def _imports(module: str, path: Path) -> set[str]:
             if base.startswith("sparrow"):
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
     return found - {module}
+
+
+def test_the_table_names_every_module_of_the_package_once():
+    names = [m for layer in LAYERS for m in layer]
+    present = {f"sparrow.{p.stem}" for p in ROOT.iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert sorted(names) == sorted(set(names)) and set(names) == present
 
 
 def test_every_import_goes_to_the_same_layer_or_below():
