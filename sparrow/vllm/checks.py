@@ -25,7 +25,7 @@ UNSET = "; unset SPARROW_VLLM_SCHEDULE to run stock vLLM"
 
 def check_sparse_config(sparse: SparseConfig, block_size: int, kv_cache_dtype: str) -> None:
     """Our pages tile vLLM's blocks, and the cache holds the keys unquantized."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # 0.32 has it here too; 0.33 only here
 
     if block_size % sparse.page_size:
         raise SparrowError(f"Sparrow's vLLM plugin: page size {sparse.page_size} does not divide vLLM's KV block "

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, fields
 
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
@@ -42,6 +41,11 @@ from .env import PluginConfig
 from .state import active
 from .paged import PageLandmarks, filled_pages, reference_decode
 from .plan import SparsePlan, StockRows, plan_step
+
+try:
+    from vllm import _cpu_ops as ops  # vLLM 0.34 moved the CPU attention ops here from _custom_ops
+except ImportError:
+    from vllm import _custom_ops as ops
 
 # ISAs whose key layout is channel-major per (block, head); the plugin asks vLLM for one of them.
 _READABLE_ISAS = ("vec", "vec16")

@@ -20,9 +20,11 @@ wrapper over each member, and vLLM's priority order then finds the same backend 
   output. The builder declares the lower of the wrapped builder's support and UNIFORM_SINGLE_TOKEN_DECODE.
 - Every impl also refuses what the rule cannot be exact under (ALiBi, sliding windows, sinks, soft caps, KV sharing,
   a quantized cache) and keeps, per layer, the landmarks of each physical page, computed from the cache when the
-  page's last slot is written (so prefix-cached blocks keep theirs); landmark updates of up to
-  FIXED_UPDATE_TOKENS slots, and any under capture, take the fixed-shape update, so capture and replay run the
-  same code.
+  page's last slot is written (so prefix-cached blocks keep theirs); every cache write therefore goes through
+  `do_kv_cache_update`: the wrapper declares no fused RoPE + cache write and no cache write by the model ahead of
+  attention (vLLM 0.33's `supports_kv_cache_update_bypass`, which FlashAttention and FlashInfer set). Landmark
+  updates of up to FIXED_UPDATE_TOKENS slots, and any under capture, take the fixed-shape update, so capture and
+  replay run the same code.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.import_utils import resolve_obj_by_qualname
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from sparrow.errors import SparrowError
 
@@ -48,7 +50,7 @@ from .paged import PageLandmarks, filled_pages, physical_pages
 from .plan import SparsePlan, plan_step
 from .triton_decode import page_reader, paged_sparse_attention, sparse_decode
 
-WRAPPED = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # the members vLLM 0.32 picks on CUDA for decoder attention
+WRAPPED = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")  # what vLLM 0.32-0.34 pick on CUDA for decoder attention
 OURS = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 PREFIX = "Sparrow_"
 FIXED_UPDATE_TOKENS = 1024  # landmark updates of at most this many slots use the fixed-shape (capturable) update
@@ -151,6 +153,8 @@ class SparrowImplMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if not hasattr(self, "attn_type"):
+            self.attn_type = AttentionType.DECODER  # FlashInferImpl keeps none: it takes decoder attention only
         self.landmarks: PageLandmarks | None = None
         config = active()
         self.sparse = None if config is None else config.sparse  # fixed for the engine; the schedule is not
@@ -169,6 +173,12 @@ class SparrowImplMixin:
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # our kernel writes the attention output unquantized
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        return False  # a fused RoPE + cache write would bypass do_kv_cache_update, where the landmarks are kept
+
+    def fused_qk_norm_rope_kvcache_supported(self) -> bool:
+        return False  # as above
 
     def caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value caches [blocks, block, Hkv, D] of a layer's cache [blocks, Hkv, block, 2 D], as vLLM's."""
@@ -253,7 +263,8 @@ def wrap(base: type, name: str | None = None) -> type:
                 {"__module__": __name__})
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": f"Sparrow over {base.__name__}.",
                  "wrapped": base, "get_impl_cls": staticmethod(lambda: impl),
-                 "get_builder_cls": staticmethod(lambda: builder)}
+                 "get_builder_cls": staticmethod(lambda: builder),
+                 "supports_kv_cache_update_bypass": False}  # vLLM 0.33+: no model writes the cache around us
     return type(name, (base,), namespace)
 
 
