@@ -7,7 +7,7 @@ import pytest
 
 from sparrow.cli import main
 from sparrow.errors import SparrowError
-from sparrow.evaluation import pass_at_k
+from sparrow.evaluation import interval_text, pass_at_k, reward_range
 
 
 @pytest.mark.parametrize("n, c, k", [(5, 2, 1), (5, 2, 2), (6, 1, 3), (4, 0, 2), (4, 4, 1), (7, 3, 4)])
@@ -53,3 +53,29 @@ def test_eval_in_exact_mode_scores_the_dense_policys_own_samples(capsys):
     assert results["exact"]["per_example_mean"] == results["dense"]["per_example_mean"]
     assert results["sparse"]["per_example_mean"] != results["dense"]["per_example_mean"]
     assert results["exact"]["rollout_mode"] == "exact"
+
+
+def test_built_in_rewards_bound_the_interval_and_user_rewards_do_not():
+    def fn(*_, **__):
+        return []
+
+    assert reward_range([("first_number", fn, 1.0)]) == (0.0, 1.0)
+    assert reward_range([("number_f1", fn, 2.0), ("math", fn, -0.5)]) == (-0.5, 2.0)
+    assert reward_range([("first_number", fn, 1.0), ("my.module:score", fn, 1.0)]) is None
+    assert interval_text({"examples": 2, "mean_low": float("nan"), "mean_high": float("nan")}) == (
+        "2 prompts: too few for an interval (needs 3)")
+    assert interval_text({"examples": 4, "mean_low": 0.886, "mean_high": 1.0}) == "95% interval 0.886..1.000"
+
+
+def test_eval_on_two_prompts_says_they_are_too_few_for_an_interval(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(2)))
+    args = ["eval", "--model", "tiny-llama", "--data", str(data), "--k", "2", "--max-new-tokens", "3",
+            "--reward", "first_number"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "interval: 2 prompts: too few for an interval (needs 3)" in out and "nan" not in out
+    assert "[eval 0:00] loading tiny-llama" in err and "sampling 2 prompts x 2 (sparse rollouts" in err
+    assert main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)  # progress stays on stderr
+    assert result["reward_range"] == [0.0, 1.0] and result["examples"] == 2

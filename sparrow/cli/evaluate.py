@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 from sparrow.datasets import DataSpec, load_examples
 from sparrow.errors import SparrowError
-from sparrow.evaluation import evaluate
+from sparrow.evaluation import evaluate, interval_text
 from sparrow.options import AdaptedModelSection, DataSection, RolloutSection, SamplingSection, ScheduledSparseSection
 from sparrow.typed_config import check_int, option, section
 
 from .config import add_config_options, load_config
+from .progress import phase_log
 
 
 @dataclass
@@ -40,22 +41,29 @@ class EvalConfig:
 
 def run(args) -> int:
     config = load_config(EvalConfig, args)
+    log = phase_log("eval")  # stderr: stdout holds only the result (its lines, or --json)
     data = config.data
     examples = load_examples(DataSpec(data.path, data.prompt_field, data.answer_field))
+    log(f"loading {config.model.name}")
     model, tokenizer = config.model.load()
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
+    log(f"sampling {len(examples)} prompts x {config.k} ({config.sparse.rollout_mode} rollouts, schedule "
+        f"{config.sparse.schedule}), then scoring with {', '.join(data.names)}")
     try:
         result = evaluate(backend, examples, data.parsed, config.sparse.parsed_schedule,
                           config.sampling.params(config.seed, num_logprobs=1), config.k, config.threshold,
-                          progress=not config.json, draft_tokens=config.sparse.draft)
+                          progress=True, draft_tokens=config.sparse.draft)
     finally:
         backend.close()
     result["schedule"] = config.sparse.schedule
     result["rollout_mode"] = config.sparse.rollout_mode
     if config.json:
         print(json.dumps(result))
-    else:
-        for key, value in result.items():
+        return 0
+    for key, value in result.items():
+        if key == "mean_low":
+            print(f"{'interval':>20}: {interval_text(result)}")
+        elif key != "mean_high":
             print(f"{key:>20}: {value:.4f}" if isinstance(value, float) else f"{key:>20}: {value}")
     return 0
 

@@ -9,7 +9,8 @@ per prompt (cluster-robust variance, G clusters) and the interval uses Student's
 When no reward is negative the ratio cannot be, so the lower bound is cut at 0 (a few pairs otherwise give
 intervals like [-1.1, 3.0]). A retention level is "held" when the whole interval is at or above it, "lost" when
 the whole interval is below it, and "undecided" otherwise (also when there are fewer than two prompts, or the dense
-mean is 0).
+mean is 0). A mean over prompts gets no interval from fewer than three prompts, and one cut to the reward's range
+where that is known.
 """
 
 from __future__ import annotations
@@ -81,19 +82,34 @@ def reward_retention(sparse: Sequence[float], dense: Sequence[float], groups: Se
     return Retention(ratio, low, ratio + half, sparse_mean, dense_mean, int(x.size), count)
 
 
-def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+MIN_INTERVAL_PROMPTS = 3  # two give Student's t one degree of freedom: +-12.7 standard errors, no usable interval
+
+
+def mean_interval(values: list[float], confidence: float = 0.95,
+                  bounds: tuple[float, float] | None = None) -> tuple[float, float]:
     """Student's t interval of the mean of `values` (one per prompt: samples of one prompt are correlated, prompts
-    are the independent units); (nan, nan) for fewer than two values."""
+    are the independent units), cut to `bounds` (low, high) when every value is known to lie in that range (the mean
+    cannot leave it); (nan, nan) for fewer than MIN_INTERVAL_PROMPTS values."""
     n = len(values)
-    if n < 2:
+    if n < MIN_INTERVAL_PROMPTS:
         return float("nan"), float("nan")
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-    return mean - half, mean + half
+    if bounds is None:
+        return mean - half, mean + half
+    return max(bounds[0], mean - half), min(bounds[1], mean + half)
 
 
-def paired_difference(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high) of a - b over paired units (e.g. two policies' mean rewards on the same prompts)."""
+def too_few_prompts(count: int) -> str:
+    """What stands where an interval over `count` prompts would, when they are too few for one."""
+    return f"{count} prompt{'' if count == 1 else 's'}: too few for an interval (needs {MIN_INTERVAL_PROMPTS})"
+
+
+def paired_difference(a: list[float], b: list[float], confidence: float = 0.95,
+                      bounds: tuple[float, float] | None = None) -> tuple[float, float, float]:
+    """(mean, low, high) of a - b over paired units (e.g. two policies' mean rewards on the same prompts); `bounds`:
+    the range of each value of a and b, so a difference lies within +-(high - low)."""
     diffs = [x - y for x, y in zip(a, b, strict=True)]
-    return (sum(diffs) / len(diffs), *mean_interval(diffs, confidence))
+    spread = None if bounds is None else (bounds[0] - bounds[1], bounds[1] - bounds[0])
+    return (sum(diffs) / len(diffs), *mean_interval(diffs, confidence, spread))

@@ -12,7 +12,7 @@ from statistics import median
 
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_text, read_jsonl, save_figure
-from sparrow.measure.retention import paired_difference
+from sparrow.measure.retention import MIN_INTERVAL_PROMPTS, paired_difference, too_few_prompts
 
 PHASES = ("rollout", "reward", "recompute", "update")
 ROLLOUT_PHASES = ("prefill", "decode", "sample")  # what the native engine reports of its rollout time
@@ -155,6 +155,30 @@ def _plot_reward_vs_rollout_time(runs: dict, evals: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _prompt_count(row: dict) -> int | None:
+    """The number of held-out prompts an eval.jsonl row averaged over, where it says."""
+    means = row.get("eval/per_example_mean")
+    return len(means) if isinstance(means, list) else row.get("eval/examples")
+
+
+def _reward_range(row: dict) -> tuple[float, float] | None:
+    """The range of the total reward an eval.jsonl row was scored with (built-in rewards), None where unknown."""
+    bounds = row.get("eval/reward_range")
+    return tuple(bounds) if isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_number, bounds)) else None
+
+
+def _interval(row: dict) -> str:
+    """' [low, high]' of a held-out evaluation's mean over prompts, or why there is none (too few prompts: rows
+    written before that rule carry an interval from two prompts, too wide to use)."""
+    count = _prompt_count(row)
+    if isinstance(count, int) and count < MIN_INTERVAL_PROMPTS:
+        return f" ({too_few_prompts(count)})"
+    low, high = row.get("eval/mean_low"), row.get("eval/mean_high")
+    if not (_is_number(low) and _is_number(high) and math.isfinite(low) and math.isfinite(high)):
+        return ""
+    return f" [{low:.3f}, {high:.3f}]"
+
+
 def _held_out(evals: dict) -> list[str]:
     """Each run's first and last held-out reward with the last one's 95% interval over prompts, and, for runs
     evaluated on as many prompts as the first run, the paired difference from it (same prompts, same seed)."""
@@ -162,18 +186,19 @@ def _held_out(evals: dict) -> list[str]:
                   "interval over prompts:"), ""]
     for name, rows in evals.items():
         last = rows[-1]
-        interval = (f" [{last['eval/mean_low']:.3f}, {last['eval/mean_high']:.3f}]"
-                    if _is_number(last.get("eval/mean_low")) and math.isfinite(last["eval/mean_low"]) else "")
         lines.append(f"- {name}: step {rows[0]['step']} {rows[0]['eval/mean']:.3f} -> step {last['step']} "
-                     f"{last['eval/mean']:.3f}{interval}")
+                     f"{last['eval/mean']:.3f}{_interval(last)}")
     first, *others = evals
     base = evals[first][-1].get("eval/per_example_mean")
     for name in others:
         other = evals[name][-1].get("eval/per_example_mean")
-        if isinstance(base, list) and isinstance(other, list) and len(base) == len(other) >= 2:
-            mean, low, high = paired_difference(other, base)
-            lines.append(f"- {name} minus {first} at their last evaluation: {mean:+.3f} "
-                         f"[{low:+.3f}, {high:+.3f}] (paired over {len(base)} prompts)")
+        if isinstance(base, list) and isinstance(other, list) and len(base) == len(other) >= 1:
+            bounds = _reward_range(evals[name][-1])  # known only when both runs were scored alike
+            bounds = bounds if bounds == _reward_range(evals[first][-1]) else None
+            mean, low, high = paired_difference(other, base, bounds=bounds)
+            interval = (f"[{low:+.3f}, {high:+.3f}] (paired over {len(base)} prompts)" if math.isfinite(low)
+                        else f"(paired; {too_few_prompts(len(base))})")
+            lines.append(f"- {name} minus {first} at their last evaluation: {mean:+.3f} {interval}")
     return lines
 
 

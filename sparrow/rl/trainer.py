@@ -17,7 +17,7 @@ import torch
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
 from sparrow.engine import Completion, encode_prompt
 from sparrow.errors import SparrowError
-from sparrow.evaluation import evaluate
+from sparrow.evaluation import evaluate, interval_text
 from sparrow.io import append_jsonl
 from sparrow.lora import attach_adapter, base_parameters
 from sparrow.rewards.scoring import score_examples
@@ -237,9 +237,8 @@ def _evaluate(config: TrainConfig, backend, examples: list, rewards: list, step:
         if name != "step" and isinstance(value, (int, float)):
             board.add_scalar(name, value, step)
     board.flush()
-    log(f"eval at step {step}: held-out mean@{k} {result[f'mean@{k}']:.3f} (95% interval {result['mean_low']:.3f}.."
-        f"{result['mean_high']:.3f})  pass@{k} {result[f'pass@{k}']:.3f}  ({len(examples)} prompts, "
-        f"{row['time/eval_s']:.0f}s)")
+    log(f"eval at step {step}: held-out mean@{k} {result[f'mean@{k}']:.3f} ({interval_text(result)})  "
+        f"pass@{k} {result[f'pass@{k}']:.3f}  ({len(examples)} prompts, {row['time/eval_s']:.0f}s)")
 
 
 def _probe_split(config: TrainConfig, examples: list) -> tuple[list, list]:

@@ -5,7 +5,7 @@ import pytest
 from scipy import stats
 
 from sparrow.errors import SparrowError
-from sparrow.measure.retention import mean_interval, reward_retention
+from sparrow.measure.retention import mean_interval, paired_difference, reward_retention, too_few_prompts
 
 
 def test_retention_and_its_interval_on_hand_computed_pairs():
@@ -63,3 +63,18 @@ def test_the_mean_interval_over_prompts_is_students_t():
     expected = stats.t.interval(0.95, 4, loc=np.mean(values), scale=stats.sem(values))
     assert (low, high) == pytest.approx(expected)
     assert all(np.isnan(mean_interval([0.4])))
+
+
+def test_two_prompts_give_no_interval_and_a_known_reward_range_bounds_one():
+    """The long demo's held-out rewards of 2 prompts gave '0.361 (95% interval -1.303..2.025)' for a reward in
+    [0, 1]: two prompts now give none; four near the top of [0, 1] give one cut at 1."""
+    assert all(np.isnan(mean_interval([0.230, 0.492])))
+    assert all(np.isnan(mean_interval([0.230, 0.492], bounds=(0.0, 1.0))))
+    assert too_few_prompts(2) == "2 prompts: too few for an interval (needs 3)"
+    values = [0.95, 1.0, 1.0, 0.9]
+    t_low, t_high = stats.t.interval(0.95, 3, loc=np.mean(values), scale=stats.sem(values))
+    assert t_high > 1.03  # Student's t alone leaves the reward's range
+    low, high = mean_interval(values, bounds=(0.0, 1.0))
+    assert (low, high) == (pytest.approx(t_low), 1.0) and 0.88 < low < 0.89
+    mean, low, high = paired_difference([1.0, 1.0, 0.0], [0.0, 0.0, 1.0], bounds=(0.0, 1.0))
+    assert mean == pytest.approx(1 / 3) and (low, high) == (-1.0, 1.0)  # differences lie in [-1, 1]

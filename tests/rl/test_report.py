@@ -57,3 +57,23 @@ def test_rewards_by_prompt_length_and_the_tail_per_bin(tmp_path):
     assert "| mixed | rollouts | 0.700 (2) | - | 0.200 (1) | - |" in text
     assert "| mixed | held-out (last) | - | 0.400 (1) | - | 0.600 (1) |" in text
     assert "| mixed | 0.850 / 0.600 | 0.600 / 0.400 |" in text  # medians over the steps that had the bin
+
+
+def test_two_held_out_prompts_give_no_interval_and_a_known_range_bounds_the_difference(tmp_path):
+    """The long demo's case: 2 held-out prompts (a row written before the rule carries -1.303..2.025 for a reward in
+    [0, 1]); and with 3 prompts of a built-in reward the paired difference stays within [-1, 1]."""
+    rows = [_row(1, 0.4, 20.0, 400)]
+    _run(tmp_path / "dense", rows, [{"step": 4, "eval/mean@4": 0.361, "eval/mean_low": -1.303, "eval/mean_high": 2.025,
+                                     "eval/per_example_mean": [0.230, 0.492]}])
+    _run(tmp_path / "sparse", rows, [{"step": 4, "eval/mean@4": 0.4, "eval/mean_low": float("nan"),
+                                      "eval/mean_high": float("nan"), "eval/per_example_mean": [0.3, 0.5]}])
+    text = write_report([tmp_path / "dense", tmp_path / "sparse"], tmp_path / "r").read_text()
+    assert "- dense: step 4 0.361 -> step 4 0.361 (2 prompts: too few for an interval (needs 3))" in text
+    held_out = text[text.index("Held-out reward"):text.index("![held-out reward]")]
+    assert "-1.303" not in held_out and "nan" not in held_out
+    assert "- sparse minus dense at their last evaluation: +0.039 (paired; 2 prompts: too few for an interval" in text
+    held = {"eval/mean_low": 0.0, "eval/mean_high": 1.0, "eval/reward_range": [0.0, 1.0]}
+    for name, means in (("d3", [0.0, 0.0, 1.0]), ("s3", [1.0, 1.0, 0.0])):
+        _run(tmp_path / name, rows, [{"step": 4, "eval/mean@4": sum(means) / 3, **held, "eval/per_example_mean": means}])
+    text = write_report([tmp_path / "d3", tmp_path / "s3"], tmp_path / "r3").read_text()
+    assert "- s3 minus d3 at their last evaluation: +0.333 [-1.000, +1.000] (paired over 3 prompts)" in text
