@@ -135,12 +135,15 @@ def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch
     for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
         for name, sched in configs.items():
             times[name].append(time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
+        log(f"repeat {r + 1}/{repeats}: {steps} decode steps x {batch} rows, "
+            + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items()))
     rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / steps:.1f} ms/step)")
     hf_rate = None
     if hf:
         del cache
+        log(f"transformers generate: {repeats} repeats of {steps} steps x {batch} rows")
         times = _time_hf(engine.model, prompt, batch, steps, repeats)
         hf_rate = batch * steps / statistics.median(times)
         log(f"{'hf':>6}: {hf_rate:8.1f} tokens/s  (transformers generate)")
@@ -187,10 +190,11 @@ def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: 
     backend.generate(prompts, one, DENSE)
     prefill_s = time.perf_counter() - start
     configs = {"dense": DENSE} if schedule is None else {"dense": DENSE, "sparse": schedule}
+    log(f"warm-up: {steps} tokens x {batch} requests, " + " and ".join(configs))
     for sched in configs.values():
         backend.generate(prompts, many, sched)  # warm-up
     times = {name: [] for name in configs}
-    for _ in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
+    for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
         for name, sched in configs.items():
             backend.generate(prompts, one, sched)  # untimed: a sparse call after a dense one rebuilds landmarks
             start = time.perf_counter()
@@ -199,6 +203,8 @@ def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: 
             start = time.perf_counter()
             backend.generate(prompts, many, sched)
             times[name].append(time.perf_counter() - start - base)
+        log(f"repeat {r + 1}/{repeats}: {steps} tokens x {batch} requests, "
+            + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items()))
     rates = {name: batch * (steps - 1) / statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / (steps - 1):.1f} ms/step)")
@@ -274,6 +280,7 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
     prefill_s = time.perf_counter() - start
     configs = {"dense": (DENSE, None), "sparse": (schedule, None), "exact": (schedule, draft_tokens)}
     warm = SamplingParams(max_new_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
+    log(f"warm-up: {warm.max_new_tokens} tokens x {batch} rows, dense, sparse and exact")
     for sched, k in configs.values():
         _time_wave(engine, cache, logits, prompt, warm, sched, k)
     times = {name: [] for name in configs}
@@ -284,8 +291,12 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
         for name, (sched, k) in configs.items():
             seconds, outs[name] = _time_wave(engine, cache, logits, prompt, sampling, sched, k)
             times[name].append(seconds)
-        identical += sum(e.token_ids == d.token_ids for e, d in zip(outs["exact"], outs["dense"]))
+        same = sum(e.token_ids == d.token_ids for e, d in zip(outs["exact"], outs["dense"]))
+        identical += same
         summaries.append(exact_summary(outs["exact"]))
+        log(f"repeat {r + 1}/{repeats}: {steps} tokens x {batch} rows, "
+            + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items())
+            + f"; {same} of {batch} exact sequences identical to dense")
     rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
     mean = {key: statistics.fmean(s[key] for s in summaries) for key in summaries[0]}
     for name in configs:

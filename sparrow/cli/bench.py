@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from sparrow.rollout.factory import check_backend
 from sparrow.typed_config import check_int, option, section, to_nested
 
 from .config import add_config_options, load_config
+from .progress import phase_log
 
 
 @dataclass
@@ -82,8 +82,9 @@ class BenchConfig:
 
 def run(args) -> int:
     config = load_config(BenchConfig, args)
-    log = (lambda *_: None) if config.json else _progress()
+    log = phase_log("bench")  # stderr: stdout holds only the result (a summary line, or --json)
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
+    log(f"loading {config.model.name}")
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
     if config.sparse.exact:
@@ -117,19 +118,9 @@ def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
         print(json.dumps(record))
     else:
         print(f"sparse / dense: {result.sparse_over_dense:.2f}x   exact / dense: {result.exact_over_dense:.2f}x "
-              f"({result.tokens_per_verify:.2f} tokens per verification)")
+              f"({result.tokens_per_verify:.2f} tokens per verification)   identical to dense: "
+              f"{result.identical_sequences} of {result.sequences} sequences")
     return 0
-
-
-def _progress():
-    """A log that prefixes each line with the minutes and seconds since the benchmark started."""
-    start = time.perf_counter()
-
-    def log(message: str) -> None:
-        elapsed = int(time.perf_counter() - start)
-        print(f"[{elapsed // 60:2d}:{elapsed % 60:02d}] {message}", flush=True)
-
-    return log
 
 
 def _vllm_setup(config: BenchConfig):

@@ -1,0 +1,24 @@
+"""Long commands say on stderr what they are doing and how far along; stdout keeps only the result."""
+
+import json
+
+from sparrow.cli import main
+
+
+def test_bench_reports_each_phase_on_stderr_and_only_its_record_on_stdout(capsys):
+    assert main(["bench", "--model", "tiny-llama", "--context", "128", "--batch", "2", "--steps", "2",
+                 "--repeats", "2", "--schedule", "const:48", "--no-hf", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["sparse_over_dense"] > 0
+    lines = err.splitlines()
+    assert lines[0].startswith("[bench 0:0") and lines[0].endswith("loading tiny-llama")
+    assert any("repeat 1/2: 2 decode steps x 2 rows, dense " in line for line in lines)
+    assert any("repeat 2/2:" in line for line in lines)
+
+
+def test_bench_in_exact_mode_says_how_many_sequences_equal_dense(capsys):
+    assert main(["bench", "--model", "tiny-qwen3", "--context", "160", "--batch", "2", "--steps", "4",
+                 "--repeats", "1", "--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and "identical to dense: 2 of 2 sequences" in out
+    assert "repeat 1/1: 4 tokens x 2 rows" in err and "2 of 2 exact sequences identical to dense" in err
