@@ -75,7 +75,7 @@ def test_eval_on_two_prompts_says_they_are_too_few_for_an_interval(tmp_path, cap
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert "interval: 2 prompts: too few for an interval (needs 3)" in out and "nan" not in out
-    assert "[eval 0:00] loading tiny-llama" in err and "sampling 2 prompts x 2 (sparse rollouts" in err
+    assert "[eval 0:00] sampling 2 prompts x 2 (sparse rollouts, schedule dense), then scoring with first_number" in err
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)  # progress stays on stderr
     assert result["reward_range"] == [0.0, 1.0] and result["examples"] == 2

@@ -84,7 +84,6 @@ def run(args) -> int:
     config = load_config(BenchConfig, args)
     log = phase_log("bench")  # stderr: stdout holds only the result (a summary line, or --json)
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
-    log(f"loading {config.model.name}")
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
     if config.sparse.exact:

@@ -44,7 +44,6 @@ def run(args) -> int:
     log = phase_log("eval")  # stderr: stdout holds only the result (its lines, or --json)
     data = config.data
     examples = load_examples(DataSpec(data.path, data.prompt_field, data.answer_field))
-    log(f"loading {config.model.name}")
     model, tokenizer = config.model.load()
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
     log(f"sampling {len(examples)} prompts x {config.k} ({config.sparse.rollout_mode} rollouts, schedule "

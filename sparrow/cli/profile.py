@@ -25,6 +25,7 @@ from sparrow.schedules import Schedule, split_schedules
 from sparrow.typed_config import check_int, option, section
 
 from .config import add_config_options, load_config
+from .progress import phase_log
 
 
 @dataclass
@@ -111,6 +112,7 @@ def run(args) -> int:
     examples = load_examples(DataSpec(config.prompts)) if rewards else []
     check_answers(config.rewards.names, examples, config.prompts)
     check_resumable(Path(config.out), config.parsed_schedules, bool(rewards))
+    log = phase_log("profile")  # stderr: stdout holds only the result (the tables and where they are written)
     model, tokenizer = config.model.load()
     sparse, sampling = config.sparse.config(), config.sampling
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
@@ -134,7 +136,7 @@ def run(args) -> int:
     try:
         profile = run_profile(backend, model, prompts, config.parsed_schedules, sampling.params(config.seed),
                               config.samples_per_prompt, sparse, config.bin_size, config.length_origin,
-                              Path(config.out), meta, reward=reward)
+                              Path(config.out), meta, log=log, reward=reward)
     finally:
         backend.close()
     print(f"{'schedule':<22} {'tokens':>7} {'mean':>7} {'>0.999':>7} {'p5':>7}   p5 per bin")

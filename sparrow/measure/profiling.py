@@ -156,6 +156,8 @@ def profile_schedule(backend, model, prompts: list, schedule: Schedule, sampling
             f"{summary['coupled_acceptance']:.3f}")
         alphas = [c.draft_acceptance for c in completions]
     else:
+        log(f"    measuring acceptance: teacher-forcing {sum(len(c.token_ids) for c in completions)} tokens through "
+            "the sparse actor and the dense policy")
         alphas = teacher_forced_acceptance(model, completions, schedule, sparse, sampling.logprob_temperature,
                                            progress=progress)
     alpha, total, generated, budget = [], [], [], []
@@ -276,6 +278,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
                                          progress=True, reward=reward)
         samples[name].save(path)
         log(f"    mean alpha {samples[name].alpha.mean():.4f} over {samples[name].alpha.size} tokens")
+    log(f"per-bin statistics of {len(samples)} schedules (bins of {bin_size} tokens)")
     summary = summarize(samples, bin_size, origin)
     if reward is not None:
         dense_path = out_dir / "dense-rewards.json"
@@ -293,6 +296,7 @@ def run_profile(backend, model, prompts: list, schedules: dict[str, Schedule], s
         "schedules": {name: {"spec": name, "budgets": schedules[name].to_json(), **summary[name]}
                       for name in schedules},
     }
+    log(f"writing {out_dir}: profile.json, profile.csv and the plots")
     atomic_write_json(out_dir / "profile.json", profile)
     write_csv(out_dir / "profile.csv", summary)
     plot_profile(out_dir, summary, samples, origin)

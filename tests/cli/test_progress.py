@@ -11,7 +11,7 @@ def test_bench_reports_each_phase_on_stderr_and_only_its_record_on_stdout(capsys
     out, err = capsys.readouterr()
     assert json.loads(out)["sparse_over_dense"] > 0
     lines = err.splitlines()
-    assert lines[0].startswith("[bench 0:0") and lines[0].endswith("loading tiny-llama")
+    assert lines[0].startswith("[bench 0:0") and lines[0].endswith("prefill: 128 tokens shared by 2 rows")
     assert any("repeat 1/2: 2 decode steps x 2 rows, dense " in line for line in lines)
     assert any("repeat 2/2:" in line for line in lines)
 
@@ -22,3 +22,15 @@ def test_bench_in_exact_mode_says_how_many_sequences_equal_dense(capsys):
     out, err = capsys.readouterr()
     assert out.count("\n") == 1 and "identical to dense: 2 of 2 sequences" in out
     assert "repeat 1/1: 4 tokens x 2 rows" in err and "2 of 2 exact sequences identical to dense" in err
+
+
+def test_profile_announces_each_schedule_on_stderr_and_ends_saying_where_it_wrote(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "abc " * (20 + i)}) + "\n" for i in range(2)))
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--schedules", "const:48,dense",
+                 "--samples-per-prompt", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    printed, err = capsys.readouterr()
+    assert "[1/2] const:48: sampling 2 completions" in err and "[2/2] dense" in err
+    assert "measuring acceptance: teacher-forcing" in err and f"writing {out}" in err
+    assert "[profile" not in printed and printed.splitlines()[-1].startswith(f"wrote {out}/profile.json")

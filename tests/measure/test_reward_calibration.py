@@ -153,7 +153,7 @@ def test_a_resumed_profile_with_other_answers_is_refused(tmp_path, capsys):
             "--reward", f"{reward}:length_reward"]
     prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "7"}) + "\n" for n in (120, 77)))
     assert main(args) == 0
-    assert main(args) == 0 and "done earlier" in capsys.readouterr().out  # same answers: resumes
+    assert main(args) == 0 and "done earlier" in capsys.readouterr().err  # same answers: resumes
     prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "3"}) + "\n" for n in (120, 77)))
     assert main(args) != 0
     assert "answers_hash differ" in capsys.readouterr().err

@@ -74,6 +74,7 @@ def test_two_held_out_prompts_give_no_interval_and_a_known_range_bounds_the_diff
     assert "- sparse minus dense at their last evaluation: +0.039 (paired; 2 prompts: too few for an interval" in text
     held = {"eval/mean_low": 0.0, "eval/mean_high": 1.0, "eval/reward_range": [0.0, 1.0]}
     for name, means in (("d3", [0.0, 0.0, 1.0]), ("s3", [1.0, 1.0, 0.0])):
-        _run(tmp_path / name, rows, [{"step": 4, "eval/mean@4": sum(means) / 3, **held, "eval/per_example_mean": means}])
+        row = {"step": 4, "eval/mean@4": sum(means) / 3, **held, "eval/per_example_mean": means}
+        _run(tmp_path / name, rows, [row])
     text = write_report([tmp_path / "d3", tmp_path / "s3"], tmp_path / "r3").read_text()
     assert "- s3 minus d3 at their last evaluation: +0.333 [-1.000, +1.000] (paired over 3 prompts)" in text
