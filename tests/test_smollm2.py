@@ -1,6 +1,7 @@
-"""Real-model checks on SmolLM2-135M-Instruct (slow: run with `pytest -m slow`)."""
+"""Real-model checks on SmolLM2-135M-Instruct (slow: run with `pytest -m slow`; `-s` shows each phase)."""
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -21,16 +22,24 @@ PROMPTS = [
 ]
 
 
+def phase(message: str) -> None:
+    """One line per phase on stderr, so a slow run shows where it is."""
+    print(f"[smollm2] {message}", file=sys.stderr, flush=True)
+
+
 @functools.cache
 def smollm2():
+    phase("loading smollm2-135m (the first run converts the GGUF)")
     return load_model("smollm2-135m")
 
 
 def test_dense_greedy_equals_transformers_generate_over_64_tokens():
     model, tok = smollm2()
     engine = RolloutEngine(model, tok)
+    phase(f"dense greedy decode: {len(PROMPTS)} prompts x 64 tokens")
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=64, temperature=0), DENSE,
                            apply_chat_template=True)
+    phase("transformers generate on the same prompts, compared token for token")
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         ref = model.generate(ids, max_new_tokens=64, do_sample=False)
@@ -43,6 +52,7 @@ def test_aggressive_budget_on_a_long_prompt_changes_the_logits():
     engine = RolloutEngine(model, tok)
     prompt = engine.encode(text + "\nWhat is the value of register 3 in item 45?", apply_chat_template=True)
     assert len(prompt) > 1500
+    phase(f"const:128 decode of 16 tokens on a {len(prompt)}-token prompt, then dense and sparse forward passes")
     out = engine.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0), const(128))[0]
     ids = torch.tensor([prompt + out.token_ids])
     with torch.no_grad():
@@ -66,7 +76,9 @@ def test_exact_mode_returns_dense_samplings_tokens_on_long_prompts():
     engine = RolloutEngine(model, tok, max_batch_size=16)
     prompts = [ex["prompt"] for ex in make_prompts(4, 3000, 0, tok)]
     sampling = SamplingParams(max_new_tokens=128, temperature=1.0, seed=11)
+    phase("dense sampling: 4 manifest prompts x 4 samples x 128 tokens")
     dense = engine.generate(prompts, sampling, DENSE, num_samples=4)
+    phase("exact mode (const:1024 drafting 4 tokens), the same prompts and seed")
     exact = engine.generate(prompts, sampling, const(1024), num_samples=4, draft_tokens=4)
     differ = [(c.prompt_index, c.sample_index) for c, d in zip(exact, dense) if c.token_ids != d.token_ids]
     assert not differ, f"exact mode left dense sampling at {differ} (a boundary flip would show here)"
