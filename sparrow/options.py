@@ -30,6 +30,9 @@ from sparrow.rollout.model_spec import ModelSpec, check_rollout_workers
 from sparrow.schedules import DENSE, Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int, option
 
+DENSE_LAYERS = ",".join(map(str, SparseConfig.dense_layers))
+"""The release's dense layers (SparseConfig's default) as an option value."""
+
 SCHEDULE_HELP = "dense, const:N, steps:BIN:b1,b2,..., start:budget,..., a preset name or a JSON schedule file"
 
 
@@ -85,7 +88,7 @@ class SparseSection:
 
     page_size: int = option(16, "tokens per KV page")
     landmark: str = option("centroid", "page landmark: " + " or ".join(LANDMARKS))
-    dense_layers: str = option("0,1", "comma-separated layer indices that always attend densely")
+    dense_layers: str = option(DENSE_LAYERS, "comma-separated layer indices that always attend densely")
     parsed: SparseConfig | None = _parsed()
 
     def validate(self) -> None:

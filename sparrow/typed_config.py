@@ -34,6 +34,7 @@ class Option:
     annotation: object
     default: object
     help: str = ""
+    positional: str | None = None  # the metavar of an option given as a positional argument, not as a flag
 
     @property
     def kind(self):
@@ -93,7 +94,7 @@ def options(cls, prefix: tuple[str, ...] = (), defaults=None) -> list[Option]:
         else:
             default = f.default if f.default is not dataclasses.MISSING else None
         found.append(Option(prefix + (f.name,), f.metadata.get("flag", f.name), hints[f.name], default,
-                            f.metadata.get("help", "")))
+                            f.metadata.get("help", ""), f.metadata.get("positional")))
     names = [o.name for o in found]
     if len(names) != len(set(names)):
         raise TypeError(f"{cls.__name__}: option names are not unique: {sorted(n for n in names if names.count(n) > 1)}")
@@ -273,10 +274,13 @@ def to_nested(config) -> dict:
             else getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
 
-def option(default=None, help: str = "", *, flag: str | None = None):
+def option(default=None, help: str = "", *, flag: str | None = None, positional: str | None = None):
     """A config option with its help text (the CLI's --help) and, where the field's own name would be ambiguous
-    across sections, its flat name `flag` (its CLI flag and flat YAML key: `distill.lr` is `distill_lr`)."""
-    metadata = {"help": help, **({"flag": flag} if flag else {})}
+    across sections, its flat name `flag` (its CLI flag and flat YAML key: `distill.lr` is `distill_lr`).
+    `positional`: the command line takes the option as a required positional argument shown as this name (the
+    SPEC of `sparrow schedule show SPEC`; a list option takes one or more), not as a flag."""
+    metadata = {"help": help, **({"flag": flag} if flag else {}),
+                **({"positional": positional} if positional else {})}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -98,6 +98,6 @@ def test_a_figure_that_cannot_be_written_names_its_file(tmp_path):
     with pytest.raises(OSError) as caught:
         save_figure(FullDisk(), tmp_path / "plot.png", dpi=100)
     assert (caught.value.errno, caught.value.filename) == (28, str(tmp_path / "plot.png"))
-    from sparrow.cli import _one_line
+    from sparrow.cli.app import _one_line
 
     assert _one_line(caught.value) == f"{str(tmp_path / 'plot.png')!r}: No space left on device"

@@ -1,8 +1,9 @@
 """Command-line side of the typed configs (sparrow/typed_config.py): one `--option` per config option.
 
-Each option becomes `--flat-name` (default None, so an unset option leaves the YAML or dataclass default in
-place). `load_config` merges dataclass defaults < the `--config` YAML file < command-line values, builds the
-config and calls its own `validate()`, before any model is loaded.
+Each option becomes `--flat-name` (default None, so an unset option leaves the YAML or dataclass default in place),
+or a positional argument where it is declared so (`option(positional=...)`). `load_config` merges dataclass defaults
+< the `--config` YAML file < command-line values, builds the config and calls its own `validate()`, before any model
+is loaded.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from sparrow.typed_config import build, flatten_mapping, item_type, load_yaml, o
 
 def add_config_options(parser: argparse.ArgumentParser, cls) -> None:
     """Add `--config FILE` and one option per option of the config class `cls` (sections included), with the
-    help text its field declares."""
+    help text its field declares: a flag, or a positional argument where the option says so."""
     parser.add_argument("--config", type=Path, default=None, help="YAML file with any of the options below")
     for option in options(cls):
+        if option.positional:
+            parser.add_argument(option.name, metavar=option.positional, help=option.help,
+                                nargs="+" if option.kind == "list" else None,
+                                type=item_type(option.annotation) if option.kind == "list" else option.kind)
+            continue
         flag = "--" + option.name.replace("_", "-")
         text = option.help
         text = f"{text} (default: {option.default})" if text else f"default: {option.default}"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from sparrow.attention import SparseConfig
-from sparrow.attention.landmarks import LANDMARKS
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import (
     MAX_LENGTH,
@@ -20,8 +18,9 @@ from sparrow.measure.cost_model import (
     paper_cost,
 )
 from sparrow.model_shapes import model_dims
-from sparrow.schedules import Schedule, parse_schedule
-from sparrow.typed_config import check_finite, check_int, option
+from sparrow.options import SparseSection
+from sparrow.schedules import Schedule
+from sparrow.typed_config import check_finite, check_int, option, section
 
 from .config import add_config_options, load_config
 
@@ -50,11 +49,9 @@ class CostConfig:
     hardware: str = option("h200", "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)")
     peak_flops: float | None = option(None, "peak dense FLOP/s (overrides the preset)")
     bandwidth: float | None = option(None, "memory bandwidth in bytes/s (overrides the preset)")
-    page_size: int = option(16, "tokens per KV page")
+    sparse: SparseSection = section(SparseSection)
     page_sizes: str | None = option(None, "comma-separated page sizes to compare at the same token budgets, e.g. "
                                           "16,32,64,128")
-    dense_layers: str = option("0,1", "comma-separated layer indices that always attend densely")
-    landmark: str = option("centroid", "page landmark: " + " or ".join(LANDMARKS))
     kv_bytes: float = option(2, "bytes per cached K/V element")
     param_bytes: float = option(2, "bytes per weight")
     acceptance: float | None = option(None, "exact mode: the per-token acceptance of the schedule's drafts (a "
@@ -62,12 +59,15 @@ class CostConfig:
                                             "mode's predicted decode speedup")
     draft_tokens: int = option(0, "exact mode: tokens drafted per dense verification (0: the best of 1-16)")
     json: bool = option(False, "print one JSON object")
+    parsed_schedule: Schedule | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         if self.schedule is None:
             raise SparrowError("give --schedule (a sparse schedule to compare with dense attention)")
         check_trajectory(self.prompt_len, self.gen_len, self.samples)
-        if self.parsed_schedule().is_dense:
+        self.sparse.validate()
+        self.parsed_schedule = self.sparse.parse(self.schedule)
+        if self.parsed_schedule.is_dense:
             raise SparrowError("schedule 'dense' leaves nothing to compare; give a sparse --schedule")
         self.page_size_list()
         self.prompt_len_list()
@@ -78,9 +78,6 @@ class CostConfig:
         if self.draft_tokens and self.acceptance is None:
             raise SparrowError("--draft-tokens prices exact mode, which needs --acceptance (the drafts' per-token "
                                "acceptance, e.g. a profile's mean alpha)")
-
-    def parsed_schedule(self) -> Schedule:
-        return parse_schedule(self.schedule, self.page_size, SparseConfig().always_kept_pages)
 
     def page_size_list(self) -> list[int]:
         if not self.page_sizes:
@@ -100,7 +97,7 @@ class CostConfig:
         return lengths
 
     def dense_layer_count(self, layers: int) -> int:
-        indices = set(_integers("dense_layers", self.dense_layers))
+        indices = set(self.sparse.config().dense_layers)
         bad = sorted(i for i in indices if not 0 <= i < layers)
         if bad:
             raise SparrowError(f"dense_layers {bad} out of range for a model with {layers} layers")
@@ -119,15 +116,15 @@ def evaluate(config: CostConfig) -> dict:
     """The whole report as a dict (what --json prints)."""
     dims = model_dims(config.model)
     hw = config.hw()
-    schedule = config.parsed_schedule()
-    options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": config.landmark,
+    schedule, sparse = config.parsed_schedule, config.sparse.config()
+    options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": sparse.landmark,
                "bytes_per_param": _whole(config.param_bytes), "bytes_per_kv": _whole(config.kv_bytes)}
     trajectory = (dims, hw, schedule, config.prompt_len, config.gen_len, config.samples)
-    result = compare(*trajectory, page_size=config.page_size, **options)
+    result = compare(*trajectory, page_size=sparse.page_size, **options)
     rows = []
     for size in config.page_size_list():
         try:
-            schedule.validate(size, SparseConfig().always_kept_pages)
+            schedule.validate(size, sparse.always_kept_pages)
         except SparrowError as err:
             rows.append({"page_size": size, "skipped": str(err)})
             continue
@@ -138,15 +135,15 @@ def evaluate(config: CostConfig) -> dict:
     lengths = config.prompt_len_list()
     if lengths:
         budget, ratio = equal_cost_constant(dims, hw, schedule, lengths, config.gen_len, config.samples,
-                                            page_size=config.page_size, **options)
+                                            page_size=sparse.page_size, **options)
         result["equal_cost_constant"] = {"budget": budget, "cost_ratio": ratio, "prompt_lens": lengths}
     if config.acceptance is not None:
         price = (functools.partial(exact_decode, draft_tokens=config.draft_tokens) if config.draft_tokens
                  else best_draft_tokens)
-        exact = price(*trajectory, acceptance=config.acceptance, page_size=config.page_size, **options)
+        exact = price(*trajectory, acceptance=config.acceptance, page_size=sparse.page_size, **options)
         result["exact"] = {"draft_tokens": config.draft_tokens, **exact}
     final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
-    paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, config.page_size)
+    paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, sparse.page_size)
     return {
         "model": config.model,
         "params": dims.params,
@@ -158,7 +155,7 @@ def evaluate(config: CostConfig) -> dict:
         "prompt_len": config.prompt_len,
         "gen_len": config.gen_len,
         "samples": config.samples,
-        "page_size": config.page_size,
+        "page_size": sparse.page_size,
         **result,
         "page_sizes": rows,
         "paper": {**paper, "budget": final_budget},

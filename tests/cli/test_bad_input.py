@@ -13,7 +13,8 @@ import pytest
 
 import sparrow
 from sparrow import models
-from sparrow.cli import EXIT_BROKEN_PIPE, main
+from sparrow.cli import main
+from sparrow.cli.app import EXIT_BROKEN_PIPE
 from sparrow.engine import RolloutEngine
 from sparrow.errors import SparrowError
 

@@ -1,6 +1,8 @@
 """The `sparrow` command line on tiny models: output formats and clear errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -92,3 +94,10 @@ def test_generate_in_exact_mode_equals_dense_generation(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in rows] == dense
     assert all(r["verifies"] >= 1 and len(r["drafted"]) == len(r["token_ids"]) for r in rows)
+
+
+@pytest.mark.parametrize("module", ["sparrow.cli.report", "sparrow.cli.schedule"])
+def test_the_report_and_schedule_commands_import_no_torch(module):
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "False"
