@@ -30,7 +30,7 @@ ENV_LANDMARK = "SPARROW_VLLM_LANDMARK"
 ENV_DENSE_LAYERS = "SPARROW_VLLM_DENSE_LAYERS"
 ENV_PAGE_SIZE = "SPARROW_VLLM_PAGE_SIZE"
 ENV_NAMES = (ENV_SCHEDULE, ENV_LANDMARK, ENV_DENSE_LAYERS, ENV_PAGE_SIZE)
-DEFAULT_DENSE_LAYERS = "0,1"
+DEFAULT_DENSE_LAYERS = ",".join(map(str, SparseConfig.dense_layers))  # the release's, as the variable spells it
 FOLLOW = "@"  # SPARROW_VLLM_SCHEDULE=@PATH: the schedule file followed at run time
 
 
