@@ -1,17 +1,16 @@
-"""The rollout engine: shared prefill per prompt, batched decode with a per-sequence KV budget.
+"""The rollout engine's loop: shared prefill per prompt, batched decode with a per-sequence KV budget.
 
 The n samples of a prompt share one dense prefill whose keys/values are copied into their n rows. Decode then
 runs all live rows together; each row's budget comes from the schedule at its own cached length. Finished rows
-are dropped from the batch so that later steps only pay for live sequences. Each `generate` call leaves where its
-time went in `engine.timing` (prefill, decode forwards, sampling and bookkeeping), so a slow rollout phase can be
-attributed.
+are dropped from the batch so that later steps only pay for live sequences. Beside it: which prompts decode
+together (`waves`), when a sequence ends (`stops`), the sampler (`sampling`), exact mode's loop (`exact`), where
+the time went (`timing`) and the error for non-finite logits (`finite`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from collections.abc import Sequence
 
 import torch
@@ -30,20 +29,14 @@ from sparrow.schedules import DENSE, Schedule
 
 from .arguments import check_generate
 from .exact import exact_wave, max_draft
+from .finite import check_logits_finite
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
-from .sampling import (
-    SamplingParams,
-    StepSample,
-    gumbel_noise,
-    sample,
-    sequence_key,
-)
+from .sampling import SamplingParams, StepSample, gumbel_noise, sample, sequence_key
 from .sequence import Completion
-
-TIMED_PHASES = ("prefill", "decode", "verify", "sample")
-"""Dense prompt forwards; decode forwards (sparse drafts in exact mode); exact mode's dense verification forwards;
-sampling and bookkeeping."""
+from .stops import eos_ids, final_text, finish_reason
+from .timing import PhaseClock
+from .waves import Wave, plan_waves
 
 
 class RolloutEngine:
@@ -68,22 +61,14 @@ class RolloutEngine:
             raise SparrowError(f"dense_layers {bad} out of range for a model with {self.num_layers} layers")
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.eos_ids = self._eos_ids()
-        self.timing = {phase: 0.0 for phase in TIMED_PHASES}
+        self.eos_ids = eos_ids(tokenizer, model)
+        self.phases = PhaseClock(self.device)
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
 
-    def clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if source is None:
-                continue
-            ids.update([source] if isinstance(source, int) else source)
-        return ids
+    @property
+    def timing(self) -> dict[str, float]:
+        """Seconds per phase of the last `generate` call (`timing.TIMED_PHASES`)."""
+        return self.phases.seconds
 
     # -- building blocks (also used by the benchmark) -------------------------------------------------------
 
@@ -116,16 +101,12 @@ class RolloutEngine:
         cache.lengths[rows] = len(prompt_ids)
         return logits
 
-    def budgets(self, schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
-        """KV budget in tokens for rows with `total` cached tokens (the cached length itself when dense)."""
-        return kv_budgets(schedule, total)
-
     @torch.no_grad()
     def decode_step(self, cache: KVCache, tokens: torch.Tensor,
                     schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed one token per row; returns (next-token logits [B, V], KV budget in tokens per row [B])."""
         total = cache.lengths + 1
-        budget = self.budgets(schedule, total)
+        budget = kv_budgets(schedule, total)
         pages = None if schedule.is_dense else budget // self.sparse.page_size
         ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages))
         logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
@@ -166,16 +147,13 @@ class RolloutEngine:
             schedule.validate(self.sparse.page_size, self.sparse.always_kept_pages)
         encoded = [self.encode(p, apply_chat_template) for p in prompts]
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
-        self.timing = {phase: 0.0 for phase in TIMED_PHASES}
-        per_wave = max(1, self.max_batch_size // num_samples)
+        self.phases.reset()
         results: list[Completion] = []
         with self.linears.packed(), tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens,
                                          desc="generating", unit="tok", disable=not progress) as bar:
-            for start in range(0, len(prompts), per_wave):
-                wave = list(range(start, min(start + per_wave, len(prompts))))
-                seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in wave for s in range(num_samples)]
-                results += self._generate_wave(wave, seqs, self.row_keys(seed, seqs), encoded, sampling, schedule,
-                                               num_samples, bar, draft_tokens)
+            for wave in plan_waves(encoded, keys, num_samples, self.max_batch_size, sampling):
+                results += self._generate_wave(wave, self.row_keys(seed, wave.seqs), sampling, schedule, bar,
+                                               draft_tokens)
         return results
 
     def row_keys(self, seed: int, seqs: list[Completion]) -> torch.Tensor:
@@ -191,17 +169,18 @@ class RolloutEngine:
         positions = torch.tensor([len(seq.token_ids) + ahead for seq in live], device=self.device)
         return gumbel_noise(keys, positions, vocab)
 
-    def _generate_wave(self, wave, seqs: list[Completion], keys, encoded, sampling, schedule, num_samples,
-                       bar, draft_tokens: int | None) -> list[Completion]:
-        capacity = max(len(encoded[i]) for i in wave) + sampling.max_new_tokens
+    def _generate_wave(self, wave: Wave, keys: torch.Tensor, sampling: SamplingParams, schedule: Schedule, bar,
+                       draft_tokens: int | None) -> list[Completion]:
         exact = draft_tokens is not None
-        cache = self.new_cache(len(seqs), capacity, slack=max_draft(draft_tokens) if exact else 0)
-        clock = self.clock()
+        cache = self.new_cache(len(wave.seqs), wave.capacity, slack=max_draft(draft_tokens) if exact else 0)
+        clock = self.phases.now()
         with without_adapter(self.model) if exact else contextlib.nullcontext():  # exact: dense prefill
-            logits = self._prefill_wave(cache, wave, encoded, num_samples)
-        self.lap("prefill", clock)
-        self.decode_wave(cache, seqs, keys, logits, sampling, schedule, bar, draft_tokens)
-        return self._finish(seqs, sampling)
+            logits = self._prefill_wave(cache, wave)
+        self.phases.lap("prefill", clock)
+        self.decode_wave(cache, wave.seqs, keys, logits, sampling, schedule, bar, draft_tokens)
+        for seq in wave.seqs:
+            seq.text = final_text(self.tokenizer, seq.token_ids, sampling.stop)
+        return wave.seqs
 
     def decode_wave(self, cache: KVCache, seqs: list[Completion], keys: torch.Tensor, logits: torch.Tensor,
                     sampling: SamplingParams, schedule: Schedule, bar, draft_tokens: int | None = None) -> None:
@@ -212,24 +191,19 @@ class RolloutEngine:
             return
         budget = cache.lengths.clone()
         live = list(seqs)
-        clock = self.clock()
+        clock = self.phases.now()
         while True:
             step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1]))
-            self.check_finite(step, logits, live, sampling)
+            check_logits_finite(step, logits, live, sampling)
             self.record(live, step, budget, sampling)
             bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
             live, (keys, step.tokens) = self.drop_finished(cache, live, keys, step.tokens)
             if not live:
                 break
-            clock = self.lap("sample", clock)
+            clock = self.phases.lap("sample", clock)
             logits, budget = self.decode_step(cache, step.tokens, schedule)
-            clock = self.lap("decode", clock)
-        self.lap("sample", clock)
-
-    def _finish(self, seqs: list[Completion], sampling: SamplingParams) -> list[Completion]:
-        for seq in seqs:
-            seq.text = self._final_text(seq, sampling)
-        return seqs
+            clock = self.phases.lap("decode", clock)
+        self.phases.lap("sample", clock)
 
     def drop_finished(self, cache: KVCache, live: list[Completion],
                       *rows: torch.Tensor) -> tuple[list[Completion], list[torch.Tensor]]:
@@ -242,23 +216,12 @@ class RolloutEngine:
         index = torch.tensor(keep, device=self.device)
         return [live[r] for r in keep], [t.index_select(0, index) for t in rows]
 
-    def check_finite(self, step: StepSample, logits: torch.Tensor, live: list[Completion],
-                     sampling: SamplingParams) -> None:
-        """Stop with a message naming the first row whose logits were not all finite."""
-        _check_finite(step.finite, logits, live, sampling, "model")
-
-    def lap(self, phase: str, since: float) -> float:
-        """Add the time since `since` to `phase` in `timing`; returns now."""
-        now = self.clock()
-        self.timing[phase] += now - since
-        return now
-
-    def _prefill_wave(self, cache: KVCache, wave: list[int], encoded, num_samples: int) -> torch.Tensor:
-        """Prefill each prompt of the wave into its `num_samples` rows; next-token logits per row [rows, V]."""
+    def _prefill_wave(self, cache: KVCache, wave: Wave) -> torch.Tensor:
+        """Prefill each prompt of the wave into its rows; next-token logits per row [rows, V]."""
         logits = []
-        for j, i in enumerate(wave):
-            rows = torch.arange(j * num_samples, (j + 1) * num_samples, device=self.device)
-            logits.append(self.prefill(cache, encoded[i], rows).expand(num_samples, -1))
+        for j, ids in enumerate(wave.prompt_ids):
+            rows = torch.arange(j * wave.samples, (j + 1) * wave.samples, device=self.device)
+            logits.append(self.prefill(cache, ids, rows).expand(wave.samples, -1))
         return torch.cat(logits)
 
     def record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
@@ -271,20 +234,7 @@ class RolloutEngine:
             seq.top_token_ids.append(top_ids[r])
             seq.top_logprobs.append(top_lps[r])
             seq.kv_budget.append(budget[r])
-            if (tokens[r] in self.eos_ids and not sampling.ignore_eos) or self._hit_stop(seq, sampling):
-                seq.finish_reason = "stop"
-            elif len(seq.token_ids) >= sampling.max_new_tokens:
-                seq.finish_reason = "length"
-
-    def _hit_stop(self, seq: Completion, sampling: SamplingParams) -> bool:
-        if not sampling.stop:
-            return False
-        window = max(len(s) for s in sampling.stop) + 1  # tokens hold at least one character each
-        tail = self.tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in sampling.stop)
-
-    def _final_text(self, seq: Completion, sampling: SamplingParams) -> str:
-        return final_text(self.tokenizer, seq.token_ids, sampling.stop)
+            seq.finish_reason = finish_reason(seq, self.eos_ids, sampling, self.tokenizer)
 
 
 def kv_budgets(schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
@@ -292,30 +242,3 @@ def kv_budgets(schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
     schedule's budget, or the cached length itself when dense."""
     return total.clone() if schedule.is_dense else schedule.budget_for(total)
 
-
-def final_text(tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> str:
-    """A completion's text: its tokens decoded without special tokens, cut before the first stop string."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
-
-
-def _check_finite(finite: torch.Tensor, logits: torch.Tensor, live: list[Completion], sampling: SamplingParams,
-                  source: str) -> None:
-    """Stop with a message naming the first row whose logits (after temperature) are not all finite."""
-    if bool(finite.all()):
-        return
-    bad = (~finite).nonzero().flatten().tolist()
-    row, seq = bad[0], live[bad[0]]
-    token = len(seq.token_ids) + 1
-    where = (f"prompt {seq.prompt_index} (key {seq.prompt_key}), sample {seq.sample_index}, generated token {token} "
-             f"(position {len(seq.prompt_token_ids) + token - 1}, logits of "
-             f"{'the prefill' if token == 1 else f'decode step {token - 1}'})")
-    others = f"; {len(bad) - 1} other sequence(s) of the batch too" if len(bad) > 1 else ""
-    values = logits[row].float()
-    if bool(torch.isfinite(values).all()):
-        raise SparrowError(f"temperature {sampling.temperature} is too small: the {source}'s logits divided by it "
-                           f"overflow float32 at {where}{others}; expected a larger temperature, or 0 for greedy")
-    kinds = [name for name, hit in (("NaN", values.isnan().any()), ("inf", values.isinf().any())) if bool(hit)]
-    raise SparrowError(f"the {source}'s logits contain {' and '.join(kinds)} (before sampling) at {where}{others}; "
-                       "expected finite logits: check the model's weights and dtype")

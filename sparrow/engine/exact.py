@@ -25,6 +25,7 @@ from sparrow.lora import without_adapter
 from sparrow.metrics import acceptance_rate
 from sparrow.schedules import Schedule
 
+from .finite import check_logits_finite
 from .sampling import SamplingParams, StepSample, choose, sample
 from .sequence import Completion
 
@@ -99,14 +100,14 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
     sequence of `live` is finished. `engine` is the RolloutEngine whose cache rows `live` occupies."""
     vocab = logits.shape[-1]
     step = sample(logits, sampling, engine.noise(keys, live, sampling, vocab))
-    engine.check_finite(step, logits, live, sampling)
+    check_logits_finite(step, logits, live, sampling)
     engine.record(live, step, cache.lengths.clone(), sampling)
     for seq in live:
         seq.drafted.append(False)
         seq.draft_acceptance.append(None)
     bar.update(len(live))
     pending = step.tokens
-    clock = engine.lap("sample", engine.clock())
+    clock = engine.phases.lap("sample", engine.phases.now())
     length = DraftLength(draft_tokens)
     while True:
         bar.update(sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
@@ -119,13 +120,13 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         start = cache.lengths.clone()
         began = clock
         drafts, draft_logits = _draft(engine, cache, pending, sampling, schedule, noise[:count])
-        clock = engine.lap("decode", clock)
+        clock = engine.phases.lap("decode", clock)
         drafted_s = clock - began
         cache.lengths = start.clone()
         with without_adapter(engine.model):
             dense = engine.span_step(cache, torch.cat([pending[:, None], drafts], dim=1))  # [rows, count+1, V]
         verified_at = clock
-        clock = engine.lap("verify", clock)
+        clock = engine.phases.lap("verify", clock)
         verify_s = clock - verified_at
         rows, span = dense.shape[:2]
         flat_noise = None if noise[0] is None else torch.stack(noise, dim=1).view(rows * span, vocab)
@@ -140,7 +141,7 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)
         cache.lengths = start + 1 + accepted
         pending = tokens.gather(1, accepted[:, None]).squeeze(1)
-        clock = engine.lap("sample", clock)
+        clock = engine.phases.lap("sample", clock)
 
 
 def _draft(engine, cache, pending: torch.Tensor, sampling: SamplingParams, schedule: Schedule,
@@ -174,7 +175,7 @@ def _commit(engine, live: list[Completion], steps: StepSample, dense: torch.Tens
         part = StepSample(*(t[:, j].index_select(0, index) for t in (steps.tokens, steps.logprobs, steps.top_ids,
                                                                      steps.top_logprobs, steps.finite)))
         subset = [live[r] for r in rows]
-        engine.check_finite(part, dense[:, j].index_select(0, index), subset, sampling)
+        check_logits_finite(part, dense[:, j].index_select(0, index), subset, sampling)
         engine.record(subset, part, (start + 1 + j).index_select(0, index), sampling)
         for r, seq in zip(rows, subset):
             seq.drafted.append(j < accepted_list[r])

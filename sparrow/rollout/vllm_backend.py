@@ -28,7 +28,8 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.engine import Completion, Prompt, SamplingParams, encode_prompt
 from sparrow.engine.arguments import check_generate
-from sparrow.engine.engine import final_text, kv_budgets
+from sparrow.engine.engine import kv_budgets
+from sparrow.engine.stops import final_text
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import Schedule
