@@ -3,7 +3,8 @@
 Sections: model, sparse, sampling, data (and rewards), grpo (loss and optimizer), monitor, distill, eval, rollout,
 run. The command-line flags are the flat option names (see sparrow/typed_config.py); YAML files may use either
 nested sections or the flat names. `TrainConfig.validate()` checks every value and parses every schedule once;
-the results are in `config.parsed`.
+what a section parses stays on it (`sparse.config()`, `data.parsed`: the reward functions), and what the run
+derives from several sections (its schedules) is in `config.parsed`.
 """
 
 from __future__ import annotations
@@ -246,14 +247,13 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class Parsed:
-    """What validation derived once: the sparse settings, every schedule, the reward functions."""
+    """The schedules validation derived once from several sections (the sparse settings and the reward functions
+    stay on their sections: `TrainConfig.sparse.config()`, `TrainConfig.data.parsed`)."""
 
-    sparse: SparseConfig
     schedule: Schedule  # the rollout schedule; with `schedule: adaptive`, where the adaptive one starts
     adaptive: bool
     switch_schedule: Schedule | None
     eval_schedule: Schedule
-    rewards: list
 
 
 @dataclass
@@ -304,8 +304,7 @@ class TrainConfig:
             raise SparrowError("probe_data is only used by the switch probes; give switch_schedule as well")
         if distill.probe_data is not None:
             require_file(distill.probe_data, "probe_data file")
-        self.parsed = Parsed(self.sparse.config(), schedule, adaptive, switch, self.sparse.parse(self.eval.schedule),
-                             self.data.parsed)
+        self.parsed = Parsed(schedule, adaptive, switch, self.sparse.parse(self.eval.schedule))
         self.data.check_answers(("data", self.data.path), ("eval_data", self.eval.data))
         monitor = self.monitor
         checked = (monitor.reward_check_every and not self.sparse.exact
@@ -337,4 +336,4 @@ class TrainConfig:
 
     def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""
-        return StepConfig(self.grpo, self.sampling, self.monitor, self.parsed.sparse, self.sparse.draft)
+        return StepConfig(self.grpo, self.sampling, self.monitor, self.sparse.config(), self.sparse.draft)

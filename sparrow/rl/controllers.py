@@ -117,7 +117,7 @@ class SwitchSchedule(ScheduleController):
             clock = time.perf_counter()
             sampling = config.sampling.params(seed=PROBE_SEED + config.run.seed * 1_000_003 + step)
             bins, probed = probe(self.backend, self.policy.model, [ex.prompt for ex in self.probes], self.candidate,
-                                 sampling, config.grpo.num_generations, config.parsed.sparse, config.monitor.bin_size,
+                                 sampling, config.grpo.num_generations, config.sparse.config(), config.monitor.bin_size,
                                  self.policy.pad_id)
             self.switch = observe_probe(self.switch, bins, config.monitor.tau, distill.probe_patience, step)
             metrics.update({**probed, "probe/streak": self.switch.streak, "time/probe_s": time.perf_counter() - clock})

@@ -48,7 +48,7 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     distiller = None
     if config.distill.enabled:
         model = attach_adapter(model, config.distill.lora(), seed=config.run.seed)
-        distiller = Distiller(model, config.distill, config.parsed.sparse)
+        distiller = Distiller(model, config.distill, config.sparse.config())
     optimizer = torch.optim.AdamW(base_parameters(model), lr=config.grpo.learning_rate,
                                   weight_decay=config.grpo.weight_decay)
     policy = Policy(model, optimizer, tokenizer.pad_token_id or 0, reference, distiller)
@@ -113,7 +113,7 @@ def _train(config: TrainConfig, log) -> list[dict]:
     resume_from = _resume_point(config, out, data, log)
     examples, probes = _probe_split(config, rows)
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
-    _check_reward_functions(config.parsed.rewards, examples)
+    _check_reward_functions(config.data.parsed, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
     if config.sparse.exact:
         drafts = config.sparse.draft_tokens or "an automatically chosen number of"
@@ -139,7 +139,7 @@ def _train(config: TrainConfig, log) -> list[dict]:
         from torch.utils.tensorboard import SummaryWriter
 
         board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
-        rewards, step_cfg, history = config.parsed.rewards, config.step_config(), []
+        rewards, step_cfg, history = config.data.parsed, config.step_config(), []
         if held_out is not None and start == 0 and config.eval.at_start:
             _evaluate(config, backend, held_out, rewards, 0, out, board, log)
         for step in range(start, grpo.steps):
@@ -195,7 +195,7 @@ def _controller(config: TrainConfig, policy: Policy, backend, examples: list, pr
     on bins of `bin_size` up to the longest prompt plus max_new_tokens."""
     if config.parsed.adaptive:
         longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
-        sparse = config.parsed.sparse
+        sparse = config.sparse.config()
         return AdaptiveSchedule(start_state(config.parsed.schedule, config.monitor.bin_size, longest, sparse.page_size,
                                             sparse.always_kept_pages), config.monitor.tau, config.adaptive)
     if config.parsed.switch_schedule is not None:
