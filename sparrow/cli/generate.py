@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sparrow.datasets import read_prompts, text_problem
-from sparrow.engine import SamplingParams, as_chat, content_keys
+from sparrow.engine import Completion, SamplingParams, as_chat, content_keys
 from sparrow.engine.exact import exact_summary
 from sparrow.errors import SparrowError
 from sparrow.io import require_file
@@ -20,6 +21,7 @@ from sparrow.options import (
 from sparrow.typed_config import check_int, option, section
 
 from .config import add_config_options, load_config
+from .progress import phase_log
 
 
 @dataclass
@@ -59,35 +61,70 @@ class GenerateConfig:
         check_int("seed", self.seed, 0)
 
 
+CALL_WAVES = 16
+"""Waves per generate call of a --json run without a progress bar (see `_calls`)."""
+
+
 def _progress(json_output: bool) -> bool:
     """Whether to draw the progress bar (on stderr): always without --json; with it, when stderr is a terminal, so
     a long --json run into a file or pipe is not silent for minutes (scripts reading stderr still get none)."""
     return not json_output or sys.stderr.isatty()
 
 
+def _calls(config: GenerateConfig, count: int, progress: bool) -> list[range]:
+    """The prompt ranges generated one backend call each. One call, except for a --json run without a progress bar
+    on our engine in this process: calls of CALL_WAVES whole waves (a wave holds max_batch_size // num_samples
+    prompts, engine/waves.py), so that completions are printed as they finish and a long run reports each call
+    on stderr. Its waves, and with them every token and log-prob, are the ones a single call would decode."""
+    rollout = config.rollout
+    if progress or rollout.backend != "native" or rollout.workers or rollout.ray_address is not None:
+        return [range(count)]
+    size = CALL_WAVES * max(1, rollout.max_batch_size // config.num_samples)
+    return [range(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def _generate(backend, config: GenerateConfig, prompts: list, calls: list[range], log) -> Iterator[list[Completion]]:
+    """The completions of each call in turn, `prompt_index` counted over all prompts; `log` reports each call."""
+    inputs, keys = as_chat(prompts) if config.chat else prompts, content_keys(prompts)
+    log(f"generating {len(prompts)} prompt(s) x {config.num_samples} sample(s) in {len(calls)} calls")
+    for part in calls:
+        completions = backend.generate([inputs[i] for i in part], config.sampling.params(config.seed),
+                                       config.sparse.parsed_schedule, config.num_samples, progress=_progress(config.json),
+                                       prompt_keys=[keys[i] for i in part], draft_tokens=config.sparse.draft)
+        for c in completions:
+            c.prompt_index += part.start
+        log(f"{part.stop}/{len(prompts)} prompts done")
+        yield completions
+
+
 def run(args) -> int:
     config = load_config(GenerateConfig, args)
     prompts = [config.prompt] if config.prompt is not None else read_prompts(config.prompts)
+    calls = _calls(config, len(prompts), _progress(config.json))
+    log = phase_log("generate") if len(calls) > 1 else lambda _: None  # a short run's stderr stays as it was
+    log(f"read {len(prompts)} prompts; loading {config.model.name}")
     model, tokenizer = config.model.load()
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
+    completions = []
     try:
-        completions = backend.generate(as_chat(prompts) if config.chat else prompts,
-                                       config.sampling.params(config.seed), config.sparse.parsed_schedule,
-                                       config.num_samples, progress=_progress(config.json),
-                                       prompt_keys=content_keys(prompts), draft_tokens=config.sparse.draft)
+        for part in _generate(backend, config, prompts, calls, log):
+            if config.json:  # printed as each call finishes
+                for c in part:
+                    print(json.dumps(c.to_json()))
+                sys.stdout.flush()
+            completions += part
     finally:
         backend.close()
-    if config.sparse.exact and not config.json:
+    if config.json:
+        return 0
+    if config.sparse.exact:
         summary = exact_summary(completions)
         print(f"exact mode: {summary['tokens_per_verify']:.2f} tokens per dense verification, "
               f"{summary['drafted_share']:.0%} of tokens drafted by {config.sparse.schedule} and accepted",
               file=sys.stderr)
     for c in completions:
-        if config.json:
-            print(json.dumps(c.to_json()))
-        else:
-            print(f"=== prompt {c.prompt_index} sample {c.sample_index}: {len(c.token_ids)} tokens, "
-                  f"{c.finish_reason} ===\n{c.text}")
+        print(f"=== prompt {c.prompt_index} sample {c.sample_index}: {len(c.token_ids)} tokens, "
+              f"{c.finish_reason} ===\n{c.text}")
     sys.stdout.flush()
     return 0
 

@@ -101,3 +101,25 @@ def test_the_report_and_schedule_commands_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
+
+
+def test_a_long_generate_json_run_prints_each_call_as_it_finishes_and_reports_it(tmp_path, capsys, monkeypatch):
+    """--json into a file or pipe (no progress bar): calls of whole waves, completions printed as each finishes, one
+    stderr line per call; the output is the single call's, byte for byte. A run of one call stays silent."""
+    from sparrow.cli import generate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["a", "bb", "a", "hello there", "c"]))
+    argv = ["generate", "--model", "tiny-qwen3", "--prompts", str(prompts), "--max-new-tokens", "3", "--num-samples",
+            "2", "--max-batch-size", "4", "--schedule", "const:48", "--json"]
+    monkeypatch.setattr(generate, "CALL_WAVES", 1)  # a wave holds 2 prompts: 3 calls
+    assert main(argv) == 0
+    chunked = capsys.readouterr()
+    monkeypatch.setattr(generate, "CALL_WAVES", 16)
+    assert main(argv) == 0
+    single = capsys.readouterr()
+    assert chunked.out == single.out and single.err == ""
+    assert [json.loads(line)["prompt_index"] for line in chunked.out.splitlines()] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    lines = chunked.err.splitlines()
+    assert len(lines) == 5 and lines[1].endswith("generating 5 prompt(s) x 2 sample(s) in 3 calls")
+    assert [line.split("] ")[1] for line in lines[2:]] == ["2/5 prompts done", "4/5 prompts done", "5/5 prompts done"]
