@@ -20,8 +20,8 @@ from .selection import select_pages
 
 def attend(query, key, value, **kwargs):
     """SDPA of query [B, H, T, D] against fewer KV heads [B, Hkv, S, D]. On CUDA in float32 no fused kernel takes
-    `enable_gqa`, and the math backend it falls back to holds every [H, T, S] score (85 GiB at 32K tokens, measured
-    on an H200: BENCHMARKS "GPU"), so the KV heads are repeated to the query heads there."""
+    `enable_gqa`, and the math backend it falls back to holds every [H, T, S] score (tens of GiB at 32K tokens: BENCHMARKS.md,
+    "GPU (H200)"), so the KV heads are repeated to the query heads there."""
     if query.is_cuda and query.dtype == torch.float32 and key.shape[1] != query.shape[1]:
         group = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)

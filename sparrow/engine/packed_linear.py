@@ -1,10 +1,9 @@
 """The rollout engine's linear layers with weights prepacked by oneDNN (float32 on CPU).
 
 A decode step multiplies a few rows by each weight: memory-bound work, yet PyTorch's default path (MKL's sgemm)
-repacks a large weight on every call; SmolLM2's 113 MB LM head ran at ~5 GB/s of a machine's ~30. oneDNN's
-prepacked weights (the path torch.compile's CPU freezing takes) are read as they are: the linear layers of a decode
-step at 8-16 rows take about half the time, and a prompt's prefill 11-17% less (BENCHMARKS.md, "Round 3, session
-9"). One pack serves both: oneDNN's layout for a weight does not depend on the row count given as a hint.
+repacks a large weight on every call, so a small-batch step reads the weights far below the memory's bandwidth.
+oneDNN's prepacked weights (the path torch.compile's CPU freezing takes) are read as they are, which shortens both
+decode steps and prefill (figures: BENCHMARKS.md, "Decode speed in our engine"). One pack serves both: oneDNN's layout for a weight does not depend on the row count given as a hint.
 
 Packs are valid within a scope (`PackedLinears.packed`, one `generate` call) in which the weights do not change;
 they are made on first use and dropped at its end, so a training step's update is never missed (no version

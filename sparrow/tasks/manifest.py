@@ -5,7 +5,8 @@ A long-generation task for the default model: the answer is every code of the ma
 partly right answer earns partial reward. Copying a block from far back in the prompt, line after line, is what
 aggressive sparse budgets break. The prompt starts the assistant's answer with "1. " (a final assistant message,
 continued by the chat template): without it SmolLM2-135M-Instruct at temperature 1 mostly opens with prose or a
-count and never recovers (F1 0.08 on 2K-token prompts); with it, F1 is 0.44 on 4.5K-token prompts (BENCHMARKS.md).
+count and never recovers; with it, it copies about half the codes (benchmarks/history/round-2.md, "A long-generation
+task for SmolLM2-135M").
 """
 
 from __future__ import annotations

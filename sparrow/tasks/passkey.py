@@ -1,7 +1,7 @@
 """The `passkey` task: a five-digit pass key hidden at a random depth of a long storage ledger.
 
 It is the built-in RL task for the default model. SmolLM2-135M-Instruct finds the key often enough to learn
-from (about a third of its samples at temperature 1 on 1K-token prompts, measured in BENCHMARKS.md) and not
+from (BENCHMARKS.md, "Training on the passkey task") and not
 so often that there is nothing left to learn. The key sits anywhere between the first and last tenth of the
 ledger, so the decode steps must attend back to a page far from the sink and recent pages: exactly what an
 aggressive sparse budget can miss. Scored by the `first_number` reward.

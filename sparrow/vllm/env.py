@@ -88,8 +88,8 @@ def cpu_block_size(page_size: int) -> int:
     multiple of 16). vLLM's CPU cache stores each (block, head)'s keys channel-major, so in its default block of
     128 a page's 16 keys of one channel are one cache line 512 bytes from the next channel's: reading the pages the
     rule selects then also pulls their neighbours' lines. With one page per block they are contiguous, and the
-    sparse layer reads only what it uses (BENCHMARKS: 0.67 -> 0.53 of the dense layer's time at 1.1K cached tokens
-    and 32 of 69 pages). vLLM's own dense kernel is as fast on blocks of 16 at 1K tokens, 7-13% slower at 8K."""
+    sparse layer reads only what it uses; vLLM's own dense kernel is somewhat slower on blocks of 16 at long context
+    (figures: docs/vllm-plugin.md and BENCHMARKS.md, "Decode speed in vLLM with the plugin")."""
     return math.lcm(16, page_size)
 
 
