@@ -61,6 +61,24 @@ class Need(NamedTuple):
     used: str
 
 
+def wrapped_backend(module: str, name: str, impl_attrs: str) -> tuple[Need, ...]:
+    """What wrapped.py relies on in one of vLLM's CUDA backends: `name`Backend, `name`MetadataBuilder, `name`Impl."""
+    backend, builder, impl = f"{module}:{name}Backend", f"{module}:{name}MetadataBuilder", f"{module}:{name}Impl"
+    return (
+        Need("values", backend, SEPARATE_WRITE, "vllm/wrapped.py"),
+        Need("returns", f"{backend}.get_builder_cls", f"{name}MetadataBuilder", "vllm/wrapped.py wrap"),
+        Need("returns", f"{backend}.get_impl_cls", f"{name}Impl", "vllm/wrapped.py wrap"),
+        Need("override", f"{builder}.__init__", BUILDER_INIT, WB),
+        Need("override", f"{builder}.build", BUILD, WB),
+        Need("override", f"{builder}.get_cudagraph_support", CG_SUPPORT, WB),
+        Need("override", f"{impl}.forward", FORWARD, WI),
+        Need("override", f"{impl}.do_kv_cache_update", KV_UPDATE, WI),
+        Need("attrs", impl, impl_attrs, WI),
+        Need("source", f"{impl}.__init__", NO_WINDOW, "vllm/wrapped.py (no sliding window: (-1, -1))"),
+        Need("source", f"{impl}.do_kv_cache_update", CUDA_LAYOUT, "vllm/wrapped.py caches, triton_decode.py"),
+    )
+
+
 N = Need
 REQUIREMENTS = (
     # loading and registering the plugin
@@ -144,42 +162,9 @@ REQUIREMENTS = (
     N("assigned", "vllm.model_executor.layers.attention.attention", "_k_scale_float _v_scale_float",
       "vllm/cpu_attention.py _stock_forward"),
     # vLLM's CUDA backends, wrapped (wrapped.py)
-    N("values", f"{FA}:FlashAttentionBackend", SEPARATE_WRITE, "vllm/wrapped.py"),
-    N("returns", f"{FA}:FlashAttentionBackend.get_builder_cls", "FlashAttentionMetadataBuilder",
-      "vllm/wrapped.py wrap"),
-    N("returns", f"{FA}:FlashAttentionBackend.get_impl_cls", "FlashAttentionImpl", "vllm/wrapped.py wrap"),
-    N("override", f"{FA}:FlashAttentionMetadataBuilder.__init__", BUILDER_INIT, WB),
-    N("override", f"{FA}:FlashAttentionMetadataBuilder.build", BUILD, WB),
-    N("override", f"{FA}:FlashAttentionMetadataBuilder.get_cudagraph_support", CG_SUPPORT, WB),
-    N("override", f"{FA}:FlashAttentionImpl.forward", FORWARD, WI),
-    N("override", f"{FA}:FlashAttentionImpl.do_kv_cache_update", KV_UPDATE, WI),
-    N("attrs", f"{FA}:FlashAttentionImpl", IMPL_ATTRS + " attn_type", WI),
-    N("source", f"{FA}:FlashAttentionImpl.__init__", NO_WINDOW, "vllm/wrapped.py (no sliding window: (-1, -1))"),
-    N("source", f"{FA}:FlashAttentionImpl.do_kv_cache_update", CUDA_LAYOUT, "vllm/wrapped.py caches, triton_decode.py"),
-    N("values", f"{FI}:FlashInferBackend", SEPARATE_WRITE, "vllm/wrapped.py"),
-    N("returns", f"{FI}:FlashInferBackend.get_builder_cls", "FlashInferMetadataBuilder", "vllm/wrapped.py wrap"),
-    N("returns", f"{FI}:FlashInferBackend.get_impl_cls", "FlashInferImpl", "vllm/wrapped.py wrap"),
-    N("override", f"{FI}:FlashInferMetadataBuilder.__init__", BUILDER_INIT, WB),
-    N("override", f"{FI}:FlashInferMetadataBuilder.build", BUILD, WB),
-    N("override", f"{FI}:FlashInferMetadataBuilder.get_cudagraph_support", CG_SUPPORT, WB),
-    N("override", f"{FI}:FlashInferImpl.forward", FORWARD, WI),
-    N("override", f"{FI}:FlashInferImpl.do_kv_cache_update", KV_UPDATE, WI),
-    N("attrs", f"{FI}:FlashInferImpl", IMPL_ATTRS, WI),
-    N("source", f"{FI}:FlashInferImpl.__init__", NO_WINDOW, "vllm/wrapped.py (no sliding window: (-1, -1))"),
-    N("source", f"{FI}:FlashInferImpl.do_kv_cache_update", CUDA_LAYOUT, "vllm/wrapped.py caches, triton_decode.py"),
-    N("values", f"{TR}:TritonAttentionBackend", SEPARATE_WRITE, "vllm/wrapped.py"),
-    N("returns", f"{TR}:TritonAttentionBackend.get_builder_cls", "TritonAttentionMetadataBuilder",
-      "vllm/wrapped.py wrap"),
-    N("returns", f"{TR}:TritonAttentionBackend.get_impl_cls", "TritonAttentionImpl", "vllm/wrapped.py wrap"),
-    N("override", f"{TR}:TritonAttentionMetadataBuilder.__init__", BUILDER_INIT, WB),
-    N("override", f"{TR}:TritonAttentionMetadataBuilder.build", BUILD, WB),
-    N("override", f"{TR}:TritonAttentionMetadataBuilder.get_cudagraph_support", CG_SUPPORT, WB),
-    N("override", f"{TR}:TritonAttentionImpl.forward", FORWARD, WI),
-    N("override", f"{TR}:TritonAttentionImpl.do_kv_cache_update", KV_UPDATE, WI),
-    N("attrs", f"{TR}:TritonAttentionImpl", IMPL_ATTRS + " attn_type", WI),
-    N("source", f"{TR}:TritonAttentionImpl.__init__", NO_WINDOW, "vllm/wrapped.py (no sliding window: (-1, -1))"),
-    N("source", f"{TR}:TritonAttentionImpl.do_kv_cache_update", CUDA_LAYOUT,
-      "vllm/wrapped.py caches, triton_decode.py"),
+    *wrapped_backend(FA, "FlashAttention", IMPL_ATTRS + " attn_type"),
+    *wrapped_backend(FI, "FlashInfer", IMPL_ATTRS),
+    *wrapped_backend(TR, "TritonAttention", IMPL_ATTRS + " attn_type"),
     N("values", "vllm.config:CUDAGraphMode", "FULL=2 FULL_DECODE_ONLY FULL_AND_PIECEWISE", "vllm/wrapped.py"),
     # engine state the plugin reads
     N("call", "vllm.forward_context:get_forward_context", "()", "vllm/cpu_attention.py _layer_metadata"),
