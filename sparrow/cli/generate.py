@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sparrow.datasets import read_prompts, text_problem
 from sparrow.engine import Completion, SamplingParams, as_chat, content_keys
 from sparrow.engine.exact import exact_summary
+from sparrow.engine.waves import prompts_per_wave
 from sparrow.errors import SparrowError
 from sparrow.io import require_file
 from sparrow.options import (
@@ -73,13 +74,12 @@ def _progress(json_output: bool) -> bool:
 
 def _calls(config: GenerateConfig, count: int, progress: bool) -> list[range]:
     """The prompt ranges generated one backend call each. One call, except for a --json run without a progress bar
-    on our engine in this process: calls of CALL_WAVES whole waves (a wave holds max_batch_size // num_samples
-    prompts, engine/waves.py), so that completions are printed as they finish and a long run reports each call
-    on stderr. Its waves, and with them every token and log-prob, are the ones a single call would decode."""
+    on our engine in this process: calls of CALL_WAVES whole waves (`prompts_per_wave`), so that completions are
+    printed as they finish and a long run reports each call on stderr. Its waves, and with them every token and log-prob, are the ones a single call would decode."""
     rollout = config.rollout
     if progress or rollout.backend != "native" or rollout.workers or rollout.ray_address is not None:
         return [range(count)]
-    size = CALL_WAVES * max(1, rollout.max_batch_size // config.num_samples)
+    size = CALL_WAVES * prompts_per_wave(config.num_samples, rollout.max_batch_size)
     return [range(start, min(start + size, count)) for start in range(0, count, size)]
 
 

@@ -22,11 +22,16 @@ class Wave:
     capacity: int
 
 
+def prompts_per_wave(num_samples: int, max_batch_size: int) -> int:
+    """Whole prompts a wave holds: as many as `max_batch_size` rows allow, at least one."""
+    return max(1, max_batch_size // num_samples)
+
+
 def plan_waves(encoded: Sequence[list[int]], keys: Sequence[int], num_samples: int, max_batch_size: int,
                sampling: SamplingParams) -> Iterator[Wave]:
     """The waves of a call, in prompt order: as many whole prompts per wave as `max_batch_size` rows hold (at least
     one); `encoded` the prompts' token ids, `keys` their random keys."""
-    per_wave = max(1, max_batch_size // num_samples)
+    per_wave = prompts_per_wave(num_samples, max_batch_size)
     for start in range(0, len(encoded), per_wave):
         prompts = range(start, min(start + per_wave, len(encoded)))
         seqs = [Completion(i, s, encoded[i], keys[i], sampling=sampling) for i in prompts for s in range(num_samples)]
