@@ -3,7 +3,7 @@
 # three phases: (1) decode at 8K cached tokens, dense against sparse attention, where sparsity pays; (2) exact mode,
 # the sparse schedule drafting and the dense policy verifying, whose tokens are dense sampling's own; (3) a short
 # GRPO run on the built-in passkey task on sparse rollouts, the same on dense rollouts, and one report comparing
-# them (reward, length, tail acceptance per length bin, time per phase). About 10 minutes on 2 CPU cores, phase 3
+# them (reward, length, tail acceptance per length bin, time per phase). About 15 minutes on 2 CPU cores with setup, phase 3
 # most of it; each command shows its progress on stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
