@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--num-logprobs", type=int, default=64)
     parser.add_argument("--configs", default="dense,0:1024", help="comma-separated schedules, each +adapter or not")
     parser.add_argument("--seed", type=int, default=0)
@@ -66,7 +67,7 @@ def main() -> None:
         dense_tokens = None
         for name, (spec, adapter, draft) in zip(totals, configs, strict=True):
             sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      seed=args.seed + i, num_logprobs=args.num_logprobs)
+                                      top_p=args.top_p, seed=args.seed + i, num_logprobs=args.num_logprobs)
             began = time.perf_counter()
             with torch.no_grad():
                 out = backend.generate([ex.prompt], sampling, schedules[spec], args.samples, adapter=adapter,

@@ -28,12 +28,14 @@ def length_targets(count: int, min_tokens: int, max_tokens: int | None, seed: in
 
 
 def fit_examples(make_example: Callable[[random.Random, int], dict], count: int, min_tokens: int | list[int],
-                 seed: int, tokenizer, tokens_per_entry: int) -> list[dict]:
+                 seed: int, tokenizer, tokens_per_entry: int, reserved_tokens: int = 0) -> list[dict]:
     """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer` (one
     length for all, or one per example, as `length_targets` gives).
 
     `make_example(rng, entries)` builds one example from `entries` filler lines; the entry count grows until the
-    prompt is long enough, replaying the same random draws, so the result depends only on the seed.
+    prompt is long enough, replaying the same random draws, so the result depends only on the seed. The first
+    guess is `(target - reserved_tokens) // tokens_per_entry` entries: `reserved_tokens` estimates what the prompt
+    holds besides its entries (a large manifest), so that the prompt does not start far over its target.
     """
     targets = [min_tokens] * count if isinstance(min_tokens, int) else list(min_tokens)
     if count < 1 or len(targets) != count or min(targets) < 1:
@@ -42,7 +44,7 @@ def fit_examples(make_example: Callable[[random.Random, int], dict], count: int,
     rng = random.Random(seed)
     examples = []
     for target in targets:
-        entries = max(1, target // tokens_per_entry)
+        entries = max(1, (target - reserved_tokens) // tokens_per_entry)
         while True:
             state = rng.getstate()
             example = make_example(rng, entries)

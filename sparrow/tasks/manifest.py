@@ -40,6 +40,9 @@ def make_example(rng: random.Random, entries: int, codes: int = CODES) -> dict:
 
 def make_prompts(count: int, min_tokens: int | list[int], seed: int, tokenizer, codes: int = CODES) -> list[dict]:
     """`count` examples whose chat-templated prompts have at least `min_tokens` tokens under `tokenizer` (one
-    length, or one per example), each with a manifest of `codes` codes (about 9 answer tokens a code)."""
+    length, or one per example), each with a manifest of `codes` codes (about 9 answer tokens a code).
+
+    The ledger's first guess leaves room for the codes beyond the default 16 (about 10 prompt tokens each), so a
+    large manifest does not push the prompt far over `min_tokens`; the default's prompt sets are unchanged."""
     return fit_examples(functools.partial(make_example, codes=codes), count, min_tokens, seed, tokenizer,
-                        tokens_per_entry=16)
+                        tokens_per_entry=16, reserved_tokens=10 * max(0, codes - CODES))
