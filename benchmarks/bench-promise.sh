@@ -10,11 +10,27 @@
 # examples/smollm2-distill.yaml), for a more aggressive schedule than tau and the retention level allow alone,
 # with --gradient-checkpointing: without it the updates on the 4.6K-token prompts need more than 24 GiB. At 0:1024
 # with DistillSparse both seeds ended level with dense (BENCHMARKS, round 3 session 6); ~43 min a sparse run.
+# SPARROW_TASK=longanswer runs the same experiment in the long-answer regime (issue 40): examples/longanswer-prompts.yaml
+# and examples/smollm2-longanswer.yaml (answers of ~1.3K tokens), 6 steps, held-out mean@4 on 4 prompts, the reward
+# check every 3rd step; about 10 minutes a dense step on 2 cores, so its four runs take most of a day.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
-OUT=${SPARROW_BENCH_DIR:-runs/bench/promise}
-SCHEDULE=${SPARROW_SCHEDULE:-0:3072}
+TASK=${SPARROW_TASK:-manifest}
+case "$TASK" in
+  manifest)
+    CONFIG=examples/smollm2-manifest.yaml; STEPS=${SPARROW_STEPS:-10}; CHECK=4; SAVE=5; DEFAULT_SCHEDULE=0:3072
+    TRAIN_PROMPTS=(--task manifest --count 32 --min-tokens 4096 --seed 0)
+    HELDOUT_PROMPTS=(--task manifest --count 8 --min-tokens 4096 --seed 2) ;;
+  longanswer)
+    CONFIG=examples/smollm2-longanswer.yaml; STEPS=${SPARROW_STEPS:-6}; CHECK=3; SAVE=1
+    DEFAULT_SCHEDULE=$(sed -n 's/^  schedule: "\(.*\)"/\1/p' "$CONFIG")
+    TRAIN_PROMPTS=(--config examples/longanswer-prompts.yaml)
+    HELDOUT_PROMPTS=(--config examples/longanswer-prompts.yaml --count 4 --seed 2) ;;
+  *) echo "SPARROW_TASK $TASK: expected manifest or longanswer" >&2; exit 2 ;;
+esac
+OUT=${SPARROW_BENCH_DIR:-runs/bench/promise$( [ "$TASK" = manifest ] || echo "-$TASK" )}
+SCHEDULE=${SPARROW_SCHEDULE:-$DEFAULT_SCHEDULE}
 SEEDS=${SPARROW_SEEDS:-0 1}
 DISTILL=()
 SUFFIX=
@@ -23,22 +39,23 @@ if [ "${SPARROW_DISTILL:-0}" = 1 ]; then
   SUFFIX=-distill
 fi
 mkdir -p "$OUT"
-[ -s "$OUT/train.jsonl" ] || $SPARROW prompts --task manifest --count 32 --min-tokens 4096 --seed 0 --out "$OUT/train.jsonl"
-[ -s "$OUT/heldout.jsonl" ] || $SPARROW prompts --task manifest --count 8 --min-tokens 4096 --seed 2 --out "$OUT/heldout.jsonl"
+[ -s "$OUT/train.jsonl" ] || $SPARROW prompts "${TRAIN_PROMPTS[@]}" --out "$OUT/train.jsonl"
+[ -s "$OUT/heldout.jsonl" ] || $SPARROW prompts "${HELDOUT_PROMPTS[@]}" --out "$OUT/heldout.jsonl"
 RUNS=()
 for SEED in $SEEDS; do
   for S in dense "$SCHEDULE"; do
     NAME="$( [ "$S" = dense ] && echo dense || echo "sparse-${S//:/-}$SUFFIX" )-seed$SEED"
+    NAME=${NAME// /}
     # the held-out set before training is the same for every run of one seed: the dense run scores it
     EXTRA=(--eval-at-start)
     [ "$S" = dense ] || EXTRA=(--no-eval-at-start "${DISTILL[@]}")
     RUNS+=("$OUT/$NAME")
-    if [ -s "$OUT/$NAME/eval.jsonl" ] && grep -q '"step": 10' "$OUT/$NAME/eval.jsonl"; then continue; fi
+    if [ -s "$OUT/$NAME/eval.jsonl" ] && grep -q "\"step\": $STEPS" "$OUT/$NAME/eval.jsonl"; then continue; fi
     RESUME=$( [ -d "$OUT/$NAME" ] && ls -d "$OUT/$NAME"/checkpoint-* >/dev/null 2>&1 && echo --resume || true )
     echo "== $NAME =="
-    $SPARROW train --config examples/smollm2-manifest.yaml --data "$OUT/train.jsonl" --eval-data "$OUT/heldout.jsonl" \
-        --schedule "$S" --steps 10 --num-generations 8 --eval-every 10 --reward-check-every 4 \
-        --save-every 5 --keep-last 1 --seed "$SEED" \
+    $SPARROW train --config "$CONFIG" --data "$OUT/train.jsonl" --eval-data "$OUT/heldout.jsonl" \
+        --schedule "$S" --steps "$STEPS" --num-generations 8 --eval-every "$STEPS" --reward-check-every "$CHECK" \
+        --save-every "$SAVE" --keep-last 1 --seed "$SEED" \
         --output-dir "$OUT/$NAME" "${EXTRA[@]}" $RESUME
   done
 done

@@ -176,7 +176,7 @@ def test_report_compares_runs_with_plots(data, tmp_path):
 
 @pytest.mark.parametrize("path", ["examples/tiny.yaml", "examples/tiny-distill.yaml", "examples/qwen3-1.7b-gpu.yaml",
                                   "examples/smollm2-passkey.yaml", "examples/smollm2-distill.yaml",
-                                  "examples/smollm2-manifest.yaml"])
+                                  "examples/smollm2-manifest.yaml", "examples/smollm2-longanswer.yaml"])
 def test_the_example_configs_name_only_known_options(path):
     import yaml
 
@@ -188,6 +188,21 @@ def _from_mapping(mapping: dict) -> TrainConfig:
     config = build(TrainConfig, flatten_mapping(TrainConfig, mapping, "config"))
     config.validate()
     return config
+
+
+def test_the_long_answer_config_validates_with_its_decode_bound_settings(tmp_path):
+    """examples/smollm2-longanswer.yaml (issue 40) builds and validates once its data file exists: answers of up to
+    1400 tokens at temperature 1 and top-p 0.9, number_f1, one prompt x 8 samples, the calibrated 0:2048."""
+    import yaml
+
+    mapping = yaml.safe_load(open("examples/smollm2-longanswer.yaml"))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "copy", "answer": ["12345"]}\n')
+    mapping["data"]["path"] = str(data)
+    config = _from_mapping(mapping)
+    assert (config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_p) == (1400, 1.0, 0.9)
+    assert config.data.reward == ["number_f1"] and config.sparse.schedule == "0:2048"
+    assert (config.grpo.prompts_per_step, config.grpo.num_generations) == (1, 8)
 
 
 def test_nested_sections_and_flat_names_build_the_same_config(data, tmp_path):
