@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -128,9 +129,11 @@ def check_samples(cfg: StepConfig) -> int:
 
 
 def rollout(backend: RolloutBackend, step: StepBatch, cfg: StepConfig, seed: int) -> None:
+    """The step's rollouts; on a terminal, with a progress bar (a long-answer step decodes for minutes)."""
     with _Clock(step, "rollout"):
         step.completions = backend.generate([ex.prompt for ex in step.examples], cfg.sampling.params(seed),
-                                            step.schedule, cfg.grpo.num_generations, draft_tokens=cfg.draft_tokens)
+                                            step.schedule, cfg.grpo.num_generations, draft_tokens=cfg.draft_tokens,
+                                            progress=sys.stderr.isatty())
     for phase, seconds in getattr(backend, "timing", {}).items():
         step.timing[f"time/rollout_{phase}_s"] = seconds
 

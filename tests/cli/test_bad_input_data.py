@@ -60,7 +60,7 @@ CASES = [
      "reward 'math' compares with each row's 'answer', but 3 row(s) of prompts file"),
     ("prompts-codes-500", ["prompts", "--model", "tiny-qwen3", "--task", "manifest", "--count", "1", "--codes", "500",
                            "--out", "{tmp}/p.jsonl"],
-     "codes 500 make an answer of 5391 tokens (the manifest, copied), which after prompts of up to 14364 tokens does "
+     "codes 500 make an answer of 5391 tokens (the manifest, copied), which after prompts of up to 5612 tokens does "
      "not fit model 'tiny-qwen3''s max_position_embeddings 8192; expected fewer --codes"),  # not min_tokens
     ("prompts-codes-1000", ["prompts", "--model", "tiny-qwen3", "--task", "manifest", "--count", "1", "--codes", "1000",
                             "--min-tokens", "100", "--out", "{tmp}/p.jsonl"],
