@@ -19,18 +19,18 @@ SPARROW=.venv/bin/sparrow
 TASK=${SPARROW_TASK:-manifest}
 case "$TASK" in
   manifest)
-    CONFIG=examples/smollm2-manifest.yaml; STEPS=${SPARROW_STEPS:-10}; CHECK=4; SAVE=5; DEFAULT_SCHEDULE=0:3072
+    CONFIG=examples/smollm2-manifest.yaml; STEPS=${SPARROW_STEPS:-10}; CHECK=4; SAVE=5
     TRAIN_PROMPTS=(--task manifest --count 32 --min-tokens 4096 --seed 0)
     HELDOUT_PROMPTS=(--task manifest --count 8 --min-tokens 4096 --seed 2) ;;
   longanswer)
     CONFIG=examples/smollm2-longanswer.yaml; STEPS=${SPARROW_STEPS:-6}; CHECK=3; SAVE=1
-    DEFAULT_SCHEDULE=$(sed -n 's/^  schedule: "\(.*\)"/\1/p' "$CONFIG")
     TRAIN_PROMPTS=(--config examples/longanswer-prompts.yaml)
     HELDOUT_PROMPTS=(--config examples/longanswer-prompts.yaml --count 4 --seed 2) ;;
   *) echo "SPARROW_TASK $TASK: expected manifest or longanswer" >&2; exit 2 ;;
 esac
 OUT=${SPARROW_BENCH_DIR:-runs/bench/promise$( [ "$TASK" = manifest ] || echo "-$TASK" )}
-SCHEDULE=${SPARROW_SCHEDULE:-$DEFAULT_SCHEDULE}
+# the config's own (calibrated) schedule unless SPARROW_SCHEDULE names another
+SCHEDULE=${SPARROW_SCHEDULE:-$(.venv/bin/python -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["sparse"]["schedule"])' "$CONFIG")}
 SEEDS=${SPARROW_SEEDS:-0 1}
 DISTILL=()
 SUFFIX=
