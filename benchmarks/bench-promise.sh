@@ -12,7 +12,7 @@
 # with DistillSparse both seeds ended level with dense (BENCHMARKS, round 3 session 6); ~43 min a sparse run.
 # SPARROW_TASK=longanswer runs the same experiment in the long-answer regime (issue 40): examples/longanswer-prompts.yaml
 # and examples/smollm2-longanswer.yaml (answers of ~1.3K tokens), 6 steps, held-out mean@4 on 4 prompts, the reward
-# check every 3rd step; about 10 minutes a dense step on 2 cores, so its four runs take most of a day.
+# check every 3rd step; about 14 minutes a dense step on 2 cores, so its four runs take most of a day.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
