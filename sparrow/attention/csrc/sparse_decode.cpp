@@ -38,55 +38,97 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 using Marks = std::pair<const float*, const float*>;  // a page's landmarks: (centroid, null) or (kmin, kmax)
 
-// 16 floats as one value (one AVX-512 register, two AVX2 ones). The loops below keep their running sums in such
+// One register of floats: 16 lanes with AVX-512, 8 without. The loops below keep their running sums in such
 // values, one lane per token or channel and never summed across lanes, so a result does not depend on the vector
 // width the CPU has; several independent sums at once keep the FMA units busy instead of waiting on one chain.
-typedef float f16 __attribute__((vector_size(64)));
-inline f16 load16(const float* p) {
-  f16 v;
+// Every loop over registers has a compile-time count and no more live sums than the CPU has registers (16 with
+// AVX2, 32 with AVX-512): an array of vectors that does not fit is kept on the stack, several times slower.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vf __attribute__((vector_size(kW * sizeof(float))));
+inline vf loadv(const float* p) {
+  vf v;
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, f16 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+constexpr int kPageVecs = 16 / kW;         // registers per 16-token page row
+constexpr int kMaxHeads = kW == 16 ? 4 : 2;  // query heads scored at once (2 sums x kPageVecs registers each)
 
 // The scores of one 16-token page for NG query heads q [NG, kD] against keys stored channel-major (channel d of
 // the 16 tokens at kt[d * kstride]): each channel is loaded once for the NG heads, two sums per head (even and odd
-// channels). out[i] = the NG heads' 16 scores.
+// channels). out[i * 16 + t]: head i's score of token t.
 template <int64_t kD, int NG>
-inline void page_scores16(const float* q, const float* kt, int64_t kstride, f16* out) {
-  f16 a[NG][2] = {};
+inline void page_scores16(const float* q, const float* kt, int64_t kstride, float* out) {
+  vf a[NG][2][kPageVecs] = {};
   for (int64_t d = 0; d < kD; d += 2) {
-    const f16 k0 = load16(kt + d * kstride), k1 = load16(kt + (d + 1) * kstride);
+    vf k0[kPageVecs], k1[kPageVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kPageVecs; ++c) k0[c] = loadv(kt + d * kstride + c * kW), k1[c] = loadv(kt + (d + 1) * kstride + c * kW);
+#pragma GCC unroll 4
     for (int i = 0; i < NG; ++i) {
-      a[i][0] += q[i * kD + d] * k0;
-      a[i][1] += q[i * kD + d + 1] * k1;
+      const float q0 = q[i * kD + d], q1 = q[i * kD + d + 1];
+#pragma GCC unroll 4
+      for (int c = 0; c < kPageVecs; ++c) a[i][0][c] += q0 * k0[c], a[i][1][c] += q1 * k1[c];
     }
   }
-  for (int i = 0; i < NG; ++i) out[i] = a[i][0] + a[i][1];
+#pragma GCC unroll 4
+  for (int i = 0; i < NG; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < kPageVecs; ++c) storev(out + i * 16 + c * kW, a[i][0][c] + a[i][1][c]);
+}
+
+// page_scores16 for G heads, kMaxHeads at a time: scaled scores of the page's first `valid` tokens into
+// s[g * stride + t].
+template <int64_t kD>
+inline void page_scores(const float* qh, int64_t G, const float* kt, int64_t kstride, int64_t valid, float sc,
+                        float* s, int64_t stride) {
+  float r[kMaxHeads * 16];
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+    const float* q = qh + g0 * kD;
+    const int64_t n = std::min<int64_t>(kMaxHeads, G - g0);
+    switch (n) {
+      case 1: page_scores16<kD, 1>(q, kt, kstride, r); break;
+      case 2: page_scores16<kD, 2>(q, kt, kstride, r); break;
+      case 3: page_scores16<kD, kMaxHeads < 3 ? 1 : 3>(q, kt, kstride, r); break;  // n <= kMaxHeads
+      default: page_scores16<kD, kMaxHeads>(q, kt, kstride, r); break;
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t t = 0; t < valid; ++t) s[(g0 + i) * stride + t] = r[i * 16 + t] * sc;
+  }
 }
 
 // oh[g, :] += sum_t w[g * wstride + t] * vp[t, :] over a page's n tokens (values token-major [n, kD]) for the
-// G heads: per head, kD / 16 sums for even tokens and as many for odd ones.
+// G heads: per head and block of kBlock registers of channels, one sum for even tokens and one for odd ones.
 template <int64_t kD>
 inline void add_page_values(const float* w, int64_t wstride, int64_t G, const float* vp, int64_t n, float* oh) {
-  constexpr int64_t V = kD / 16;
+  constexpr int V = kD / kW, kBlock = V < 4 ? V : 4;
+  static_assert(V % kBlock == 0, "head dim must be a multiple of the block");
   for (int64_t g = 0; g < G; ++g) {
-    float* og = oh + g * kD;
     const float* wg = w + g * wstride;
-    f16 even[V], odd[V];
-    for (int64_t v = 0; v < V; ++v) even[v] = load16(og + 16 * v), odd[v] = f16{};
-    int64_t t = 0;
-    for (; t + 1 < n; t += 2) {
-      const float w0 = wg[t], w1 = wg[t + 1];
-      const float *v0 = vp + t * kD, *v1 = v0 + kD;
-      for (int64_t v = 0; v < V; ++v) {
-        even[v] += w0 * load16(v0 + 16 * v);
-        odd[v] += w1 * load16(v1 + 16 * v);
+    for (int b = 0; b < V; b += kBlock) {
+      float* og = oh + g * kD + b * kW;
+      const float* vb = vp + b * kW;
+      vf even[kBlock], odd[kBlock];
+#pragma GCC unroll 8
+      for (int v = 0; v < kBlock; ++v) even[v] = loadv(og + kW * v), odd[v] = vf{};
+      int64_t t = 0;
+      for (; t + 1 < n; t += 2) {
+        const float w0 = wg[t], w1 = wg[t + 1];
+        const float *v0 = vb + t * kD, *v1 = v0 + kD;
+#pragma GCC unroll 8
+        for (int v = 0; v < kBlock; ++v) even[v] += w0 * loadv(v0 + kW * v), odd[v] += w1 * loadv(v1 + kW * v);
       }
+      if (t < n)
+#pragma GCC unroll 8
+        for (int v = 0; v < kBlock; ++v) even[v] += wg[t] * loadv(vb + t * kD + kW * v);
+#pragma GCC unroll 8
+      for (int v = 0; v < kBlock; ++v) storev(og + kW * v, even[v] + odd[v]);
     }
-    if (t < n)
-      for (int64_t v = 0; v < V; ++v) even[v] += wg[t] * load16(vp + t * kD + 16 * v);
-    for (int64_t v = 0; v < V; ++v) store16(og + 16 * v, even[v] + odd[v]);
   }
 }
 
@@ -137,19 +179,61 @@ void choose_pages(const float* qh, int64_t G, int64_t D, int64_t np, int64_t cou
   std::sort(kept.begin(), kept.end());
 }
 
-// Softmax of each of the G rows of scores[g * stride + i], i < n, in place.
+// e^x lane by lane for x <= 0, as Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), a
+// degree-7 polynomial in r, times 2^n built in the exponent bits; within 2 ulp of std::exp. Lanes below -87
+// (-inf included) give 0, whose weight would be below float's normal range anyway.
+inline vf exp_nonpositive(vf x) {
+  typedef int32_t vi __attribute__((vector_size(kW * sizeof(int32_t))));
+  const vf lo = vf{} - 87.f;
+  const vf xc = x < lo ? lo : x;
+  const vi n = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);  // xc <= 0: truncation rounds
+  const vf fn = __builtin_convertvector(n, vf);
+  vf r = xc - fn * 0.693359375f;
+  r = r + fn * 2.12194440e-4f;
+  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? vf{} : y * scale;
+}
+
+// Softmax of each of the G rows of scores[g * stride + i], i < n, in place. The exponentials are summed in 16
+// lanes (one per i mod 16), then the lanes in order, so the sum does not depend on the vector width.
 inline void softmax_rows(float* scores, int64_t G, int64_t stride, int64_t n) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * stride;
-    float top = *std::max_element(s, s + n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - top);
-      sum += s[i];
+    const float top = *std::max_element(s, s + n);
+    vf acc[kPageVecs] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+#pragma GCC unroll 4
+      for (int c = 0; c < kPageVecs; ++c) {
+        const vf e = exp_nonpositive(loadv(s + i + c * kW) - top);
+        storev(s + i + c * kW, e);
+        acc[c] += e;
+      }
+    if (i < n) {  // the last partial 16, padded with -inf (weight 0)
+      float pad[16];
+      std::fill(pad, pad + 16, -std::numeric_limits<float>::infinity());
+      std::copy(s + i, s + n, pad);
+      for (int c = 0; c < kPageVecs; ++c) {
+        const vf e = exp_nonpositive(loadv(pad + c * kW) - top);
+        storev(pad + c * kW, e);
+        acc[c] += e;
+      }
+      std::copy(pad, pad + (n - i), s + i);
     }
+    float lanes[16];
+    for (int c = 0; c < kPageVecs; ++c) storev(lanes + c * kW, acc[c]);
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += lanes[l];
     const float inv = 1.f / sum;
-    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
 }
 
@@ -231,32 +315,19 @@ struct ContiguousPages {
       }
     }
     // The span step's many query rows (G * span): the page's keys transposed once into `tile` (channel-major,
-    // [kD, 16]), then up to 4 rows at a time in registers, as the paged reader does; partial pages as `score`.
+    // [kD, 16]), then several rows at a time in registers, as the paged reader does; partial pages as `score`.
     template <int64_t kD>
     void score_span(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
                     float* tile) const {
       if constexpr (kD % 16 == 0 && kD > 0) {
         if (S == 16) {
           const float* kp = page_keys(p);
-          float* kt = tile + 16;  // tile[0:16]: scratch for one row's scores
+          float* kt = tile;
           for (int64_t t = 0; t < valid; ++t)
             for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = kp[t * kD + d];
           for (int64_t t = valid; t < 16; ++t)
             for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            f16 r[4];
-            const float* q = qh + g0 * kD;
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: page_scores16<kD, 1>(q, kt, 16, r); break;
-              case 2: page_scores16<kD, 2>(q, kt, 16, r); break;
-              case 3: page_scores16<kD, 3>(q, kt, 16, r); break;
-              default: page_scores16<kD, 4>(q, kt, 16, r); break;
-            }
-            for (int64_t i = 0; i < std::min<int64_t>(4, G - g0); ++i) {
-              store16(tile, r[i] * sc);
-              std::copy(tile, tile + valid, s + (g0 + i) * stride);
-            }
-          }
+          page_scores<kD>(qh, G, kt, 16, valid, sc, s, stride);
           return;
         }
       }
@@ -309,20 +380,7 @@ struct PagedPages {
       const float* kt = slab(p) + within(p);
       if constexpr (kD % 16 == 0 && kD > 0) {
         if (S == 16) {  // the usual page: up to 4 heads at a time, in registers
-          for (int64_t g0 = 0; g0 < G; g0 += 4) {
-            f16 r[4];
-            const float* q = qh + g0 * kD;
-            switch (std::min<int64_t>(4, G - g0)) {
-              case 1: page_scores16<kD, 1>(q, kt, block, r); break;
-              case 2: page_scores16<kD, 2>(q, kt, block, r); break;
-              case 3: page_scores16<kD, 3>(q, kt, block, r); break;
-              default: page_scores16<kD, 4>(q, kt, block, r); break;
-            }
-            for (int64_t i = 0; i < std::min<int64_t>(4, G - g0); ++i) {
-              store16(tile, r[i] * sc);
-              std::copy(tile, tile + valid, s + (g0 + i) * stride);
-            }
-          }
+          page_scores<kD>(qh, G, kt, block, valid, sc, s, stride);
           return;
         }
       }
