@@ -302,7 +302,13 @@ struct ContiguousPages {
       if (j == 0)
         for (int64_t a = 1; a < std::min(kAhead, n_kept); ++a) ::prefetch(page_keys(kept[a]), S * D);
       if (j + kAhead < n_kept) ::prefetch(page_keys(kept[j + kAhead]), S * D);
-      ::prefetch(values(kept[j]), S * D);
+    }
+    // The same for the values, before page kept[j]'s are added.
+    void prefetch_values(const std::vector<int64_t>& kept, int64_t j) const {
+      const int64_t n_kept = static_cast<int64_t>(kept.size());
+      if (j == 0)
+        for (int64_t a = 0; a < std::min(kAhead, n_kept); ++a) ::prefetch(values(kept[a]), S * D);
+      if (j + kAhead < n_kept) ::prefetch(values(kept[j + kAhead]), S * D);
     }
 
     // One dot product per (token, query head).
@@ -314,20 +320,43 @@ struct ContiguousPages {
         for (int64_t g = 0; g < G; ++g) s[g * stride + t] = dot<kD>(qh + g * D, kr, D) * sc;
       }
     }
-    // The span step's many query rows (G * span): the page's keys transposed once into `tile` (channel-major,
-    // [kD, 16]), then several rows at a time in registers, as the paged reader does; partial pages as `score`.
+    // The span step's many query rows (G * span), queries as lanes: `qt` holds them transposed ([kD, Gp], Gp =
+    // G rounded up to 16, zero padded; see transpose_queries). Per 16 queries and kT tokens at a time, each key
+    // channel is broadcast against the queries' register of that channel, so the keys are read as stored and one
+    // query load serves kT tokens. One sum per (token, query), over the channels in order. Other page sizes as `score`.
     template <int64_t kD>
-    void score_span(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
-                    float* tile) const {
-      if constexpr (kD % 16 == 0 && kD > 0) {
+    void score_span(const float* qh, const float* qt, int64_t G, int64_t p, int64_t valid, float sc, float* s,
+                    int64_t stride, float* tile) const {
+      if constexpr (kD > 0) {
         if (S == 16) {
-          const float* kp = page_keys(p);
-          float* kt = tile;
-          for (int64_t t = 0; t < valid; ++t)
-            for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = kp[t * kD + d];
-          for (int64_t t = valid; t < 16; ++t)
-            for (int64_t d = 0; d < kD; ++d) kt[d * 16 + t] = 0.f;
-          page_scores<kD>(qh, G, kt, 16, valid, sc, s, stride);
+          constexpr int kT = 8 / kPageVecs;  // 8 sums in flight
+          const int64_t Gp = (G + 15) / 16 * 16;
+          const float* kp = page_keys(p);  // a full page of S slots: tokens past `valid` are read, never stored
+          for (int64_t g0 = 0; g0 < G; g0 += 16) {
+            const int64_t ng = std::min<int64_t>(16, G - g0);
+            for (int64_t t0 = 0; t0 < valid; t0 += kT) {
+              vf acc[kT][kPageVecs] = {};
+              for (int64_t d = 0; d < kD; ++d) {
+                vf q[kPageVecs];
+#pragma GCC unroll 4
+                for (int c = 0; c < kPageVecs; ++c) q[c] = loadv(qt + d * Gp + g0 + c * kW);
+#pragma GCC unroll 8
+                for (int t = 0; t < kT; ++t) {
+                  const float k = kp[(t0 + t) * kD + d];
+#pragma GCC unroll 4
+                  for (int c = 0; c < kPageVecs; ++c) acc[t][c] += k * q[c];
+                }
+              }
+              float out[kT][16];
+#pragma GCC unroll 8
+              for (int t = 0; t < kT; ++t)
+#pragma GCC unroll 4
+                for (int c = 0; c < kPageVecs; ++c) storev(out[t] + c * kW, acc[t][c]);
+              const int64_t nt = std::min<int64_t>(kT, valid - t0);
+              for (int64_t g = 0; g < ng; ++g)
+                for (int64_t t = 0; t < nt; ++t) s[(g0 + g) * stride + t0 + t] = out[t][g] * sc;
+            }
+          }
           return;
         }
       }
@@ -366,10 +395,11 @@ struct PagedPages {
     const float* values(int64_t p) const { return slab(p) + block * D + within(p) * D; }
 
     void prefetch(const std::vector<int64_t>&, int64_t) const {}  // not asked for: the keys are strided by block
+    void prefetch_values(const std::vector<int64_t>&, int64_t) const {}
 
     template <int64_t kD>
-    void score_span(const float* qh, int64_t G, int64_t p, int64_t valid, float sc, float* s, int64_t stride,
-                    float* tile) const {
+    void score_span(const float* qh, const float*, int64_t G, int64_t p, int64_t valid, float sc, float* s,
+                    int64_t stride, float* tile) const {
       score<kD>(qh, G, p, valid, sc, s, stride, tile);
     }
 
@@ -403,6 +433,14 @@ struct PagedPages {
   int64_t page_size() const { return S; }
 };
 
+// qt[d * Gp + g] = qh[g * D + d] for the G query rows [G, D], Gp = G rounded up to 16, the padding zero.
+inline void transpose_queries(const float* qh, int64_t G, int64_t D, float* qt) {
+  const int64_t Gp = (G + 15) / 16 * 16;
+  std::fill(qt, qt + D * Gp, 0.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qt[d * Gp + g] = qh[g * D + d];
+}
+
 // Steps 1-3 for every (row, kv head), reading the cache through `pages`. kD: the head dim when known at compile
 // time (64, 128), else 0 and read from the tensors.
 template <int64_t kD, class Pages>
@@ -411,9 +449,11 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
   at::parallel_for(0, st.rows * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> page_score(P), qmean(D), scores, tile(S * std::max<int64_t>(D, 16) + 16);
     std::vector<int64_t> order(P), kept;
+    std::vector<float> qt(st.span > 1 ? D * ((G + 15) / 16 * 16) : 0);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / H, np = st.npd[r], limit = st.totd[r];
       const float* qh = st.qd + rh * G * D;
+      if (st.span > 1) transpose_queries(qh, G, D, qt.data());
       const auto head = pages.head(r, rh % H);
       auto mark = [&](int64_t p) { return head.mark(p); };
       choose_pages<kD>(qh, G, D, np, std::min(st.bpd[r], np), st.sink, st.recent, st.quest, mark, page_score, order,
@@ -426,8 +466,8 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
       for (int64_t j = 0; j < n_kept; ++j) {
         head.prefetch(kept, j);
         if (st.span > 1)
-          head.template score_span<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride,
-                                       tile.data());
+          head.template score_span<kD>(qh, qt.data(), G, kept[j], valid(kept[j]), st.scale, scores.data() + n,
+                                       stride, tile.data());
         else
           head.template score<kD>(qh, G, kept[j], valid(kept[j]), st.scale, scores.data() + n, stride, tile.data());
         n += valid(kept[j]);
@@ -442,7 +482,9 @@ torch::Tensor decode(const Step& st, const Pages& pages) {
       // The weighted sum of the kept tokens' values, page by page in the order scored.
       float* oh = st.od + rh * G * D;
       int64_t i = 0;
-      for (const int64_t p : kept) {
+      for (int64_t j = 0; j < n_kept; ++j) {
+        const int64_t p = kept[j];
+        head.prefetch_values(kept, j);
         const float* vp = head.values(p);
         if constexpr (kD % 16 == 0 && kD > 0) {
           add_page_values<kD>(scores.data() + i, stride, G, vp, valid(p), oh);
