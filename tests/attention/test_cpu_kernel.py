@@ -150,3 +150,28 @@ def test_the_paged_and_contiguous_readers_decode_one_cache_alike(landmark, dim, 
     cache, phys, paged_marks = _as_paged(keys, values, marks, block=2 * page)
     got = cpu_kernel.paged_sparse_decode(queries, cache, phys, paged_marks, n_pages, budget, total, sparse, 0.3)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("page, group, span", [(16, 3, 5), (16, 3, 9), (16, 4, 17), (4, 3, 5)])
+def test_the_span_step_is_causal_attention_over_each_rows_cache(dim, page, group, span):
+    """The verification's attention (group x span query rows per KV head; more than 16 rows take several passes)
+    equals softmax attention of token s of the span over the row's first total - (span - 1 - s) tokens."""
+    if cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    torch.manual_seed(0)
+    sparse = SparseConfig(page_size=page)
+    rows, heads, pages = 3, 2, 9
+    keys, values = torch.randn(rows, heads, pages, page, dim), torch.randn(rows, heads, pages, page, dim)
+    total = torch.tensor([9 * page, 7 * page + 3, span + 1])  # full, a partial last page, little more than the span
+    n_pages = (total + page - 1) // page
+    queries = torch.randn(rows, heads, group * span, dim)
+    got = cpu_kernel.span_decode(queries, keys, values, sparse.page_landmark.build(keys), n_pages, total, span,
+                                 sparse, 0.3)
+    flat_k, flat_v = keys.flatten(2, 3), values.flatten(2, 3)  # [rows, heads, tokens, dim]
+    for r in range(rows):
+        for row in range(group * span):
+            seen = int(total[r]) - (span - 1 - row % span)
+            weights = torch.softmax(0.3 * queries[r, :, row, None] @ flat_k[r, :, :seen].transpose(-1, -2), dim=-1)
+            want = (weights @ flat_v[r, :, :seen])[:, 0]  # [heads, dim]
+            assert torch.allclose(got[r, :, row], want, atol=1e-5), (r, row)
