@@ -150,14 +150,23 @@ class SamplingSection:
     temperature: float = option(1.0, "sampling temperature; 0 = greedy")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = option(0, "keep the k most likely tokens; 0 = off")
+    exact_rule: str = option("coupled", "exact mode: coupled (a draft stands where the dense policy draws the same "
+                             "token: dense sampling's own tokens for the seed) or residual (speculative sampling's "
+                             "rejection rule: the dense distribution, other tokens, more drafts kept)")
 
     def validate(self) -> None:
         self.params(seed=0)
 
+    def check_exact_rule(self, exact: bool) -> None:
+        """A rule other than the default applies to exact mode only: refused elsewhere rather than ignored."""
+        if self.exact_rule != "coupled" and not exact:
+            raise SparrowError(f"--exact-rule {self.exact_rule} judges exact mode's drafts: it needs --rollout-mode "
+                               "exact")
+
     def params(self, seed: int, **extra) -> SamplingParams:
         """The engine's SamplingParams (validated there) with `seed` and any command-specific `extra` fields."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=seed, **extra)
+                              top_k=self.top_k, seed=seed, exact_rule=self.exact_rule, **extra)
 
 
 def _to_stderr(message: str) -> None:

@@ -32,6 +32,7 @@ class EvalConfig:
         for part in (self.model, self.sparse, self.sampling, self.data):
             part.validate()
         self.rollout.validate(self.model.device, self.sparse.exact)
+        self.sampling.check_exact_rule(self.sparse.exact)
         check_int("k", self.k, 1)
         check_int("seed", self.seed, 0)
         if not math.isfinite(self.threshold):

@@ -52,6 +52,7 @@ class GenerateConfig:
         for part in (self.model, self.sparse, self.sampling):
             part.validate()
         self.rollout.validate(self.model.device, self.sparse.exact)
+        self.sampling.check_exact_rule(self.sparse.exact)
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
         if self.prompts is not None:

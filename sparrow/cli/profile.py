@@ -69,6 +69,7 @@ class ProfileConfig:
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
         check_draft_tokens(self.draft_tokens)
         self.rollout.validate(self.model.device, self.rollout_mode == "exact")
+        self.sampling.check_exact_rule(self.rollout_mode == "exact")
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")
         require_file(self.prompts, "prompts file")

@@ -8,7 +8,9 @@ positions. The dense token at each position is drawn with the same Gumbel noise 
 drafts keep the dense keys/values the span wrote over the draft's; the first mismatch takes the dense token and the
 later drafts are dropped (their slots are rewritten later); if all K match, the last position gives one more dense
 token. The committed tokens are therefore the ones dense decoding draws for the same seed, up to float rounding
-between the span forward and one-token steps.
+between the span forward and one-token steps. With `SamplingParams.exact_rule` "residual", a draft is judged by
+speculative sampling's rejection rule instead (`sampling.residual_rule`): the dense policy's distribution, not its
+tokens for the seed, with every draft kept with probability alpha.
 
 Every drafted token on the committed prefix has both distributions, so its exact acceptance alpha is recorded for
 free (`Completion.draft_acceptance`); no teacher-forced pass is needed to monitor the draft.
@@ -26,7 +28,8 @@ from sparrow.metrics import acceptance_rate
 from sparrow.schedules import Schedule
 
 from .finite import check_logits_finite
-from .sampling import SamplingParams, StepSample, choose, sample
+from .sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingParams, StepSample, choose, gumbel_noise,
+                       residual_rule, sample, uniforms)
 from .sequence import Completion
 
 MAX_DRAFT_TOKENS = 64
@@ -133,8 +136,11 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         flat = sample(dense.view(rows * span, vocab), sampling, flat_noise)  # every position in one call
         steps = StepSample(*(t.view(rows, span, *t.shape[1:]) for t in (flat.tokens, flat.logprobs, flat.top_ids,
                                                                         flat.top_logprobs, flat.finite)))
-        tokens = steps.tokens  # the dense policy's draw at each position [rows, count+1]
-        accepted = torch.cumprod((tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
+        if sampling.exact_rule == "residual" and count and not sampling.greedy:
+            accepted, steps = _judge_residual(keys, live, sampling, torch.stack(draft_logits, 1), dense, drafts, steps)
+        else:  # coupled: a draft stands where the dense policy draws the same token with the same noise
+            accepted = torch.cumprod((steps.tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
+        tokens = steps.tokens  # the committed token at each position [rows, count+1], valid up to `accepted`
         alphas = (acceptance_rate(torch.stack(draft_logits, 1), dense[:, :count], sampling.logprob_temperature)
                   if count else dense.new_zeros(rows, 0))
         length.observe(count, drafted_s, verify_s, accepted)
@@ -156,6 +162,28 @@ def _draft(engine, cache, pending: torch.Tensor, sampling: SamplingParams, sched
         logits.append(step_logits)
     empty = pending.new_zeros(len(pending), 0)
     return (torch.stack(tokens, dim=1) if tokens else empty), logits
+
+
+def _judge_residual(keys: torch.Tensor, live: list[Completion], sampling: SamplingParams, draft_logits: torch.Tensor,
+                    dense: torch.Tensor, drafts: torch.Tensor, steps: StepSample) -> tuple[torch.Tensor, StepSample]:
+    """The residual rule (`sampling.residual_rule`) instead of the coupling: the accepted drafts per row [rows], and
+    `steps` with each row's committed tokens (its accepted drafts, then the residual draw at the first rejection,
+    or the dense draw after K accepted drafts) and their dense log-probs. The uniforms and redraws come from
+    streams of their own, counter-based on the row's key and position like the token draws."""
+    count, vocab = drafts.shape[1], dense.shape[-1]
+    temperature = sampling.logprob_temperature
+    base = torch.tensor([len(seq.token_ids) for seq in live], device=dense.device)
+    positions = [base + j for j in range(count)]
+    accept_u = torch.stack([uniforms(keys, at, ACCEPT_STREAM) for at in positions], dim=1)
+    noise = torch.stack([gumbel_noise(keys, at, vocab, RESIDUAL_STREAM) for at in positions], dim=1)
+    accepted, redraw = residual_rule(draft_logits / temperature, dense[:, :count] / temperature, drafts, accept_u,
+                                     noise, sampling)
+    tokens = steps.tokens.clone()
+    tokens[:, :count] = drafts
+    rejected = (accepted < count).nonzero().squeeze(1)
+    tokens[rejected, accepted[rejected]] = redraw[rejected, accepted[rejected]]
+    logp = torch.log_softmax(dense.float() / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    return accepted, StepSample(tokens, logp, steps.top_ids, steps.top_logprobs, steps.finite)
 
 
 def _commit(engine, live: list[Completion], steps: StepSample, dense: torch.Tensor, accepted: torch.Tensor,

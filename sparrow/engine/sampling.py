@@ -21,6 +21,14 @@ import torch
 from sparrow.errors import SparrowError
 from sparrow.typed_config import check_int
 
+EXACT_RULES = ("coupled", "residual")
+"""coupled: a draft is kept when the dense policy draws the same token with the same Gumbel noise (the dense
+sampler's own tokens for the seed); residual: speculative sampling's rejection rule (`residual_rule`): the dense
+policy's distribution, other tokens, more drafts kept."""
+
+RESIDUAL_STREAM, ACCEPT_STREAM = 1, 2
+"""The random streams of the residual rule: redraws and acceptance uniforms (stream 0 draws the tokens)."""
+
 KEY_LIMIT = 2**32
 """Prompt keys and sample indices must be below this: each then takes one word of the key's spawn key."""
 
@@ -33,6 +41,7 @@ class SamplingParams:
     Log-probs are those of the rollout distribution after temperature and before top-k/top-p truncation (the
     policy whose ratio to the dense policy TIS corrects); with greedy decoding they are at temperature 1.
     `seed` (>= 0) fixes every sequence's random key (see `sequence_key`); None draws a fresh one per call.
+    `exact_rule`: how exact mode judges a draft (`EXACT_RULES`); other modes ignore it.
     """
 
     max_new_tokens: int = 256
@@ -43,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     num_logprobs: int = 20
     ignore_eos: bool = False
+    exact_rule: str = "coupled"
 
     def __post_init__(self):
         ints = {"max_new_tokens": (self.max_new_tokens, 1), "top_k": (self.top_k, 0),
@@ -57,6 +67,8 @@ class SamplingParams:
             raise SparrowError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if any(not s for s in self.stop):
             raise SparrowError("stop strings must be non-empty")
+        if self.exact_rule not in EXACT_RULES:
+            raise SparrowError(f"unknown exact rule {self.exact_rule!r}: expected one of {', '.join(EXACT_RULES)}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -111,19 +123,35 @@ def _vocab_hash(vocab: int, device: torch.device) -> torch.Tensor:
     return found
 
 
-def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [B, V] (float32) for rows with `keys` [B, 2] (from `sequence_key`) at generated-token index
-    `positions` [B]. A counter-based draw: entry (b, v) is a hash of (key b, position b, v) alone, so the same on
-    every device and in every batch.
-
-    The uniforms have 24 bits, so the noise lies in about [-2.9, 17.3]: a token whose logit is more than ~20 below
-    the best one's is never drawn (its probability is below 2e-9)."""
+def _row_hash(keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """One int32 per row from its key [B, 2], position [B] and stream (0: the token draws; others: the residual
+    rule's uniforms and redraws, independent of them)."""
     keys = keys.to(torch.int32)
     golden = _signed32(0x9E3779B9)
     row = hash32(keys[:, 0] ^ hash32(keys[:, 1] + positions.to(torch.int32) * golden))  # [B]
+    return hash32(row ^ _signed32(stream * 0x85EBCA6B % 2**32)) if stream else row
+
+
+def _unit(bits: torch.Tensor) -> torch.Tensor:
+    """24 random bits of each int32 as a float in (0, 1), exactly representable."""
+    return (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24
+
+
+def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = 0) -> torch.Tensor:
+    """Gumbel noise [B, V] (float32) for rows with `keys` [B, 2] (from `sequence_key`) at generated-token index
+    `positions` [B]. A counter-based draw: entry (b, v) is a hash of (key b, position b, v) alone, so the same on
+    every device and in every batch. `stream` selects an independent draw of the same counters.
+
+    The uniforms have 24 bits, so the noise lies in about [-2.9, 17.3]: a token whose logit is more than ~20 below
+    the best one's is never drawn (its probability is below 2e-9)."""
+    row = _row_hash(keys, positions, stream)
     bits = hash32(_vocab_hash(vocab, keys.device)[None, :] ^ row[:, None])
-    uniforms = (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24  # in (0, 1), exactly representable
-    return -torch.log(-torch.log(uniforms))
+    return -torch.log(-torch.log(_unit(bits)))
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row [B], counter-based like `gumbel_noise` (stream > 0)."""
+    return _unit(hash32(_row_hash(keys, positions, stream) ^ _signed32(0x27D4EB2F)))
 
 
 @dataclass
@@ -182,3 +210,23 @@ def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | N
     tokens = choose(scaled, params, noise)
     top = logp.topk(min(params.num_logprobs, logp.shape[-1]), dim=-1)
     return StepSample(tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values, finite)
+
+
+def residual_rule(draft_scaled: torch.Tensor, dense_scaled: torch.Tensor, drafts: torch.Tensor, accept_u: torch.Tensor,
+                  noise: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's rejection rule over K drafted positions of R rows. q and p: the draft's and the
+    dense policy's distributions after temperature, top-k and top-p (from `*_scaled`, logits over the temperature,
+    [R, K, V]). Draft x at a position (drawn from q) is accepted when u q(x) <= p(x) (`accept_u` [R, K] uniform:
+    probability min(1, p(x) / q(x))); the first rejected position draws from the residual max(0, p - q), normalised
+    (Gumbel-max with `noise` [R, K, V]; p itself where rounding leaves no residual). The committed token is then
+    distributed as p exactly, whatever q; a draft is kept with probability sum_v min(p, q), the acceptance alpha.
+    Returns (accepted drafts per row [R], the residual draw at each position [R, K])."""
+    rows, count, vocab = dense_scaled.shape
+    p = truncate(dense_scaled.reshape(-1, vocab), params).softmax(-1).view(rows, count, vocab)
+    q = truncate(draft_scaled.reshape(-1, vocab), params).softmax(-1).view(rows, count, vocab)
+    at = drafts[..., None]
+    kept = accept_u * q.gather(-1, at)[..., 0] <= p.gather(-1, at)[..., 0]
+    accepted = torch.cumprod(kept.long(), dim=1).sum(dim=1)
+    residual = (p - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, (residual.log() + noise).argmax(dim=-1)

@@ -278,6 +278,7 @@ class TrainConfig:
                      self.eval, self.run):
             part.validate()
         self.rollout.validate(self.model.device, self.sparse.exact)
+        self.sampling.check_exact_rule(self.sparse.exact)
         distill = self.distill
         adaptive = self.sparse.schedule == ADAPTIVE
         schedule = self.sparse.parse(self.adaptive.start if adaptive else self.sparse.schedule)
