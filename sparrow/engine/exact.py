@@ -136,12 +136,13 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         flat = sample(dense.view(rows * span, vocab), sampling, flat_noise)  # every position in one call
         steps = StepSample(*(t.view(rows, span, *t.shape[1:]) for t in (flat.tokens, flat.logprobs, flat.top_ids,
                                                                         flat.top_logprobs, flat.finite)))
+        drafted = torch.stack(draft_logits, 1) if count else None  # [rows, count, V]
         if sampling.exact_rule == "residual" and count and not sampling.greedy:
-            accepted, steps = _judge_residual(keys, live, sampling, torch.stack(draft_logits, 1), dense, drafts, steps)
+            accepted, steps = _judge_residual(keys, live, sampling, drafted, dense, drafts, steps)
         else:  # coupled: a draft stands where the dense policy draws the same token with the same noise
             accepted = torch.cumprod((steps.tokens[:, :count] == drafts).long(), dim=1).sum(dim=1)  # [rows]
         tokens = steps.tokens  # the committed token at each position [rows, count+1], valid up to `accepted`
-        alphas = (acceptance_rate(torch.stack(draft_logits, 1), dense[:, :count], sampling.logprob_temperature)
+        alphas = (acceptance_rate(drafted, dense[:, :count], sampling.logprob_temperature)
                   if count else dense.new_zeros(rows, 0))
         length.observe(count, drafted_s, verify_s, accepted)
         _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)

@@ -447,7 +447,7 @@ template <int64_t kD, class Pages>
 torch::Tensor decode(const Step& st, const Pages& pages) {
   const int64_t H = st.H, G = st.G, D = kD ? kD : st.D, P = pages.slots(), S = pages.page_size();
   at::parallel_for(0, st.rows * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> page_score(P), qmean(D), scores, tile(S * std::max<int64_t>(D, 16) + 16);
+    std::vector<float> page_score(P), qmean(D), scores, tile(S);  // tile: a page reader's scratch (see score)
     std::vector<int64_t> order(P), kept;
     std::vector<float> qt(st.span > 1 ? D * ((G + 15) / 16 * 16) : 0);
     for (int64_t rh = begin; rh < end; ++rh) {
