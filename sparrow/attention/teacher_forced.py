@@ -81,11 +81,12 @@ class SharedPrompt:
             first = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
             layers = first.past_key_values.layers
             self._roots = [first.logits] + [t for layer in layers for t in (layer.keys, layer.values)]
-            self._leaves = [t.detach().requires_grad_() for t in self._roots]
+            self._leaves = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in self._roots]
 
-    def logits(self, model, input_ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    def logits(self, model, input_ids: torch.Tensor, prompt_length: int, **continuation_kwargs) -> torch.Tensor:
+        """`shared_prompt_logits` with this prompt's forward; `continuation_kwargs` as there."""
         if not self.supported:
-            return shared_prompt_logits(model, input_ids, prompt_length)
+            return shared_prompt_logits(model, input_ids, prompt_length, **continuation_kwargs)
         from transformers.cache_utils import DynamicCache
 
         first, *kv = self._leaves
@@ -94,7 +95,7 @@ class SharedPrompt:
             return DynamicCache(ddp_cache_data=[(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1))
                                                 for k, v in zip(kv[::2], kv[1::2], strict=True)])
 
-        return _completion_logits(model, first, expanded, input_ids, prompt_length)
+        return _completion_logits(model, first, expanded, input_ids, prompt_length, **continuation_kwargs)
 
     def backward(self) -> None:
         """The prompt's share of the gradients, once, from what the micro-batches left on the leaves."""
@@ -106,9 +107,10 @@ class SharedPrompt:
 
 
 def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int, schedule: Schedule,
-                             sparse: SparseConfig | None = None) -> torch.Tensor:
+                             sparse: SparseConfig | None = None, prompt: SharedPrompt | None = None) -> torch.Tensor:
     """The sparse actor's `shared_prompt_logits`: `sparse_forward` restricted to the completion positions, the
-    prompt's dense prefill run once for the group."""
+    prompt's dense prefill run once for the group, or taken from `prompt` (a `SharedPrompt` the same weights made,
+    e.g. for the dense forward of the same rows: the prefill is dense, so its keys and values are the same)."""
     sparse = sparse or SparseConfig()
     enable_sparse_attention(model)
     g, length = input_ids.shape
@@ -119,4 +121,5 @@ def sparse_completion_logits(model, input_ids: torch.Tensor, prompt_length: int,
         budget = (schedule.budget_for(cached) // sparse.page_size).expand(g, -1)
     lengths = torch.full((g,), prompt_length, device=input_ids.device)
     ctx = AttentionContext("teacher_forced", sparse, budget_pages=budget, prompt_lengths=lengths)
-    return shared_prompt_logits(model, input_ids, prompt_length, **{CONTEXT_KEY: ctx})
+    forward = shared_prompt_logits if prompt is None else prompt.logits
+    return forward(model, input_ids, prompt_length, **{CONTEXT_KEY: ctx})

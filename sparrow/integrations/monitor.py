@@ -18,6 +18,7 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.interface import base_model
+from sparrow.attention.teacher_forced import SharedPrompt
 from sparrow.errors import SparrowError
 from sparrow.measure.acceptance import piece_acceptance
 from sparrow.measure.batch import RolloutBatch, piece_logits, shared_prompt_pieces
@@ -86,15 +87,18 @@ def measure(model, batch: RolloutBatch, rows: int, schedules: dict[str, Schedule
             temperature: float, max_rows: int = 8) -> dict[str, torch.Tensor]:
     """Per token of the first `rows` rows (in order): its position and its exact acceptance under each of
     `schedules` against the model's dense logits (computed once per shared-prompt piece, with the model as it is:
-    a LoRA adapter TRL trains stays on, as it is in the weights vLLM samples with)."""
+    a LoRA adapter TRL trains stays on, as it is in the weights vLLM samples with). The prompt's forward runs once
+    per piece for the dense and every sparse forward (the prefill is dense: the same keys and values)."""
     device = next(model.parameters()).device
     batch = batch.to(device)
     alpha = {name: torch.zeros_like(batch.mask) for name in schedules}
     with measuring(model):
         for piece in shared_prompt_pieces(batch, torch.arange(rows), max_rows):
-            dense, _ = piece_logits(model, batch, piece)
+            prompt = SharedPrompt(model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+            dense, _ = piece_logits(model, batch, piece, prompt.logits)
             for name, schedule in schedules.items():
-                alpha[name][piece] = piece_acceptance(model, batch, piece, schedule, sparse, temperature, dense)
+                alpha[name][piece] = piece_acceptance(model, batch, piece, schedule, sparse, temperature, dense,
+                                                      prompt)
     valid = batch.mask[:rows].bool()
     out = {name: values[:rows][valid].double().cpu() for name, values in alpha.items()}
     out["positions"] = batch.positions[:rows][valid].double().cpu()

@@ -17,25 +17,32 @@ import torch
 from tqdm.auto import tqdm
 
 from sparrow.attention import SparseConfig
-from sparrow.attention.teacher_forced import sparse_completion_logits
+from sparrow.attention.teacher_forced import SharedPrompt, sparse_completion_logits
 from sparrow.engine import Completion
-from sparrow.lora import without_adapter
+from sparrow.lora import has_adapter, without_adapter
 from sparrow.metrics.divergence import acceptance_rate
 from .batch import RolloutBatch, piece_logits, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
 
 def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: Schedule, sparse: SparseConfig,
-                     temperature: float, dense_logits: torch.Tensor | None = None) -> torch.Tensor:
+                     temperature: float, dense_logits: torch.Tensor | None = None,
+                     prompt: SharedPrompt | None = None) -> torch.Tensor:
     """Exact acceptance [len(piece), T-1] of one shared-prompt piece (0 where `mask` is 0).
 
-    `dense_logits` (the dense forward of the same piece, e.g. the trainer's recompute) saves a forward."""
-    actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=sparse)
+    `dense_logits` (the dense forward of the same piece, e.g. the trainer's recompute) saves a forward; `prompt`
+    (the `SharedPrompt` of that forward, when the sparse actor has the same weights: no adapter, or the same one on
+    in both) saves the sparse forward's prompt. Without `dense_logits`, both forwards run here and share the prompt
+    unless an adapter makes the sparse actor's prefill differ from the dense policy's."""
     with torch.no_grad():
-        sparse_logits, span = piece_logits(model, batch, piece, actor)
         if dense_logits is None:
             with without_adapter(model):
-                dense_logits, _ = piece_logits(model, batch, piece)
+                prompt = SharedPrompt(model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+                dense_logits, _ = piece_logits(model, batch, piece, prompt.logits)
+            if has_adapter(model):
+                prompt = None
+        actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=sparse, prompt=prompt)
+        sparse_logits, span = piece_logits(model, batch, piece, actor)
     valid = batch.mask[piece, span].bool()
     out = torch.zeros(len(piece), batch.mask.shape[1], device=batch.mask.device)
     window = out[:, span]

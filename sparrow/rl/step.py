@@ -161,7 +161,8 @@ def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) ->
 def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) -> None:
     """pi_old of the sampled tokens, the top-K bounds [N, 2] on each token's acceptance, the exact acceptance of
     the monitored rows (their sparse teacher-forced forward against these very dense logits), the KL reference's
-    log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per group."""
+    log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per piece, and
+    the monitor's sparse forwards reuse it (the prefill is dense) unless a DistillSparse adapter changes it."""
     clock = time.perf_counter()
     batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
     step.advantages = step.advantages.to(policy.device)
@@ -174,8 +175,10 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     monitor_s = 0.0
     for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg, grad=False):
         with torch.no_grad(), policy.dense():
-            logits, span = piece_logits(policy.model, batch, piece)
+            prompt = SharedPrompt(policy.model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+            logits, span = piece_logits(policy.model, batch, piece, prompt.logits)
         logp_old[piece] = piece_logprobs(logits, batch, piece, span, temperature)
+        shared = prompt if policy.distiller is None else None  # an adapter's sparse actor has a prefill of its own
         valid = batch.mask[piece, span].bool()
         low, high = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
                                       logits[valid], temperature)
@@ -185,10 +188,10 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
         if monitored and int(piece[0]) in monitored and cfg.draft_tokens is None:
             began = time.perf_counter()
             exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
-                                            dense_logits=logits)
+                                            dense_logits=logits, prompt=shared)
             for name, schedule in step.measure.items():
                 extra[name][piece] = piece_acceptance(policy.model, batch, piece, schedule, cfg.sparse, temperature,
-                                                      dense_logits=logits)
+                                                      dense_logits=logits, prompt=shared)
             monitor_s += time.perf_counter() - began
     valid = batch.mask.bool()
     step.logp_old, step.bounds = logp_old, bounds[valid]

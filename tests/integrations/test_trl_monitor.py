@@ -170,3 +170,19 @@ def test_a_bad_sparrow_config_names_the_value():
                             ({"landmark": "median"}, "median")):
         with pytest.raises(SparrowError, match=message):
             SparrowConfig(**kwargs)
+
+
+def test_each_prompt_runs_once_for_the_dense_and_every_sparse_forward(rollouts):
+    model, completions = rollouts
+    batch = rollout_batch(*trl_tensors(completions))
+    prompt_lengths = {len(c.prompt_token_ids) for c in completions}
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    try:
+        got = measure(model, batch, len(completions), {"current": SCHEDULE, "probe": const(64)}, SparseConfig(),
+                      TEMPERATURE)
+    finally:
+        hook.remove()
+    assert sorted(n for n in seen if n in prompt_lengths) == sorted(prompt_lengths)  # one prompt forward per group
+    reference = teacher_forced_acceptance(model, completions, const(64), SparseConfig(), TEMPERATURE)
+    np.testing.assert_allclose(got["probe"].numpy(), np.concatenate([np.asarray(r) for r in reference]), atol=1e-6)

@@ -36,3 +36,19 @@ def test_acceptance_is_one_for_dense_rollouts(llama):
     completions = engine.generate(random_prompts([80, 40], seed=1), sampling, DENSE, num_samples=2)
     for alpha in teacher_forced_acceptance(model, completions, DENSE, SparseConfig(), temperature=1.0):
         np.testing.assert_allclose(alpha, 1.0, atol=1e-5)
+
+
+def test_the_sparse_forward_reuses_the_dense_forwards_prompt(tiny):
+    model, tok = tiny
+    engine = RolloutEngine(model, tok)
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
+    completions = engine.generate(random_prompts([120], seed=2), sampling, const(48), num_samples=3)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    try:
+        shared = teacher_forced_acceptance(model, completions, const(48), SparseConfig(), temperature=1.0)
+    finally:
+        hook.remove()
+    assert seen.count(len(completions[0].prompt_token_ids)) == 1  # dense and sparse share one prompt forward
+    for c, alpha in zip(completions, shared):
+        np.testing.assert_allclose(alpha, lockstep_acceptance(engine, c, const(48), temperature=1.0), atol=1e-5)
