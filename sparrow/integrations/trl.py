@@ -16,7 +16,7 @@ next version and all processes wait for it before they generate again.
 
 TRL's own forward (`_get_per_token_logps_and_entropies`) keeps only the sampled tokens' log-probs, so it cannot
 serve for exact acceptance, which needs both full next-token distributions: the monitor runs its own dense and
-sparse forwards, one prompt forward per group (`measure.batch.piece_logits`), on the monitored share only.
+sparse forwards on the monitored share only, one prompt forward per group for them all (`measure.batch.piece_logits`).
 
 What the trainer sets or checks before TRL builds anything: the model (Sparrow's `smollm2-135m` becomes its
 converted directory, `resolve_model`), TRL's importance sampling correction (`choose_correction`: token-level
