@@ -265,11 +265,12 @@ def _time_wave(engine: RolloutEngine, cache, logits, prompt: list[int], sampling
 
 def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens: int, context: int, batch: int,
                         steps: int = 32, repeats: int = 3, seed: int = 0, temperature: float = 1.0,
-                        log=print) -> ExactBenchResult:
+                        log=print, exact_rule: str = "coupled") -> ExactBenchResult:
     """Decode tokens/s of dense, sparse (`schedule`) and exact mode (`schedule` drafting `draft_tokens`), alternated,
     each sampling `steps` tokens per row at `temperature` from one real-text prompt of `context` tokens shared by
     `batch` rows (a seed per repeat: the same tokens for dense and exact). Exact mode's speed depends on how often
-    the dense policy accepts the drafts, so the text is real, not random ids."""
+    the dense policy accepts the drafts, so the text is real, not random ids. `exact_rule` as
+    `SamplingParams.exact_rule` (with "residual" the sequences are the dense distribution's, not dense's tokens)."""
     from sparrow.engine.exact import exact_summary, max_draft
 
     prompt = task_prompt(engine.tokenizer, context, seed)
@@ -283,14 +284,16 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
     prefill_s = time.perf_counter() - start
     configs = {"dense": (DENSE, None), "sparse": (schedule, None), "exact": (schedule, draft_tokens)}
     with engine.linears.packed():  # one packing for every timed wave, made in the warm-up
-        warm = SamplingParams(max_new_tokens=4, temperature=temperature, seed=seed, ignore_eos=True)
+        warm = SamplingParams(max_new_tokens=4, temperature=temperature, seed=seed, ignore_eos=True,
+                              exact_rule=exact_rule)
         log(f"warm-up: {warm.max_new_tokens} tokens x {batch} rows, dense, sparse and exact")
         for sched, k in configs.values():
             _time_wave(engine, cache, logits, prompt, warm, sched, k)
         times = {name: [] for name in configs}
         identical, summaries = 0, []
         for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows all alike
-            sampling = SamplingParams(max_new_tokens=steps, temperature=temperature, seed=seed + r, ignore_eos=True)
+            sampling = SamplingParams(max_new_tokens=steps, temperature=temperature, seed=seed + r, ignore_eos=True,
+                                      exact_rule=exact_rule)
             outs = {}
             for name, (sched, k) in configs.items():
                 seconds, outs[name] = _time_wave(engine, cache, logits, prompt, sampling, sched, k)
@@ -306,7 +309,7 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
     for name in configs:
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(times[name]) / steps:.1f} ms/token "
             "per row batch)")
-    log(f"exact: {mean['tokens_per_verify']:.2f} tokens per verification, coupled acceptance "
+    log(f"exact: {mean['tokens_per_verify']:.2f} tokens per verification, {exact_rule} acceptance "
         f"{mean['coupled_acceptance']:.3f} (mean alpha {mean['mean_alpha']:.3f}), {identical} of {batch * repeats} "
         "sequences identical to dense")
     return ExactBenchResult(

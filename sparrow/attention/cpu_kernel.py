@@ -1,5 +1,7 @@
 """Optional compiled CPU kernel for one decode step of one layer (see csrc/sparse_decode.cpp): sparse, and dense
 as the case where every page is kept (no page is scored then), which beats PyTorch's SDPA on the strided cache.
+The same module holds `small_linear` (csrc/small_linear.cpp), the decode step's linear layers for a few rows
+(engine/packed_linear.py).
 
 The PyTorch path scores pages, selects them, gathers the selected keys and values into new tensors and then
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the
@@ -33,7 +35,7 @@ import torch
 
 from sparrow.io import env_flag
 
-_SOURCE = Path(__file__).parent / "csrc" / "sparse_decode.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("sparse_decode.cpp", "small_linear.cpp")]
 _NAME = "sparrow_sparse_decode"
 _GUARD = "sparrow-build.lock"
 BUILD_WAIT_S = 300.0  # a build takes about 30 s; far longer means the builder is stuck
@@ -63,7 +65,7 @@ def load():
                                    f"{BUILD_WAIT_S:g} s")
             if not any(build_dir.glob("*.so")):
                 _say("building the CPU sparse-decode kernel (once, about 30 s)")
-            _module = build(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+            _module = build(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                             extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
     except Exception as err:  # a missing compiler or ninja must not break generation
@@ -158,3 +160,8 @@ def paged_sparse_decode(queries, kv_cache, phys, landmarks, n_pages, budget_page
     [pages, Hkv, D] each -> [R, Hkv, G, D]."""
     return _module.paged_sparse_decode(queries, kv_cache, phys, landmarks, n_pages, budget_pages, total,
                                        sparse.page_size, sparse.sink_pages, sparse.recent_pages, float(scaling))
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias for small M, float32 on CPU; each output independent of M (see the source)."""
+    return load().small_linear(x, weight, bias)

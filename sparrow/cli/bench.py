@@ -17,6 +17,7 @@ from sparrow.bench import (
     run_vllm_benchmark,
 )
 from sparrow.engine import RolloutEngine
+from sparrow.engine.sampling import EXACT_RULES
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_config
 from sparrow.models import MODEL_NAMES, resolve_dtype
@@ -46,6 +47,8 @@ class BenchConfig:
                          "the plugin's dense overhead")
     block_size: int = option(0, "with --backend vllm: the plugin's KV block size on CPU (0: its default, one "
                              "16-token page per block; 128: stock vLLM's)")
+    exact_rule: str = option("coupled", "with --rollout-mode exact: how drafts are judged (coupled: dense sampling's "
+                             "own tokens; residual: speculative sampling's rejection rule)")
 
     def validate(self) -> None:
         self.model.validate()
@@ -68,6 +71,11 @@ class BenchConfig:
         if self.sparse.exact and (self.backend != "native" or self.stock or self.block_size):
             raise SparrowError("--rollout-mode exact benchmarks our engine on real text: it takes no --backend vllm, "
                                "--stock or --block-size")
+        if self.exact_rule not in EXACT_RULES:
+            raise SparrowError(f"--exact-rule {self.exact_rule!r}: expected one of {', '.join(EXACT_RULES)}")
+        if self.exact_rule != "coupled" and not self.sparse.exact:
+            raise SparrowError(f"--exact-rule {self.exact_rule} judges exact mode's drafts: it needs --rollout-mode "
+                               "exact")
         if self.stock and self.backend != "vllm":
             raise SparrowError("--stock times stock vLLM beside the plugin: it needs --backend vllm")
         if self.backend == "vllm" and self.steps < 2:
@@ -110,15 +118,17 @@ def run(args) -> int:
 def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
     """Dense, sparse and exact decode on real text, alternated; one JSON object or a summary line."""
     result = run_exact_benchmark(engine, config.sparse.parsed_schedule, config.sparse.draft_tokens, config.context,
-                                 config.batch, config.steps, config.repeats, config.seed, log=log)
+                                 config.batch, config.steps, config.repeats, config.seed, log=log,
+                                 exact_rule=config.exact_rule)
     record = {**dataclasses.asdict(result), "config": to_nested(config), "machine": machine_info(engine.device),
               "date": datetime.date.today().isoformat()}
     if config.json:
         print(json.dumps(record))
     else:
+        same = (f"   identical to dense: {result.identical_sequences} of {result.sequences} sequences"
+                if config.exact_rule == "coupled" else "   (residual rule: the dense distribution, not its tokens)")
         print(f"sparse / dense: {result.sparse_over_dense:.2f}x   exact / dense: {result.exact_over_dense:.2f}x "
-              f"({result.tokens_per_verify:.2f} tokens per verification)   identical to dense: "
-              f"{result.identical_sequences} of {result.sequences} sequences")
+              f"({result.tokens_per_verify:.2f} tokens per verification){same}")
     return 0
 
 

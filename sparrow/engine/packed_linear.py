@@ -1,9 +1,13 @@
-"""The rollout engine's linear layers with weights prepacked by oneDNN (float32 on CPU).
+"""The rollout engine's linear layers on CPU (float32): Sparrow's kernel for decode-sized inputs, oneDNN's
+prepacked weights for the rest.
 
 A decode step multiplies a few rows by each weight: memory-bound work, yet PyTorch's default path (MKL's sgemm)
 repacks a large weight on every call, so a small-batch step reads the weights far below the memory's bandwidth.
-oneDNN's prepacked weights (the path torch.compile's CPU freezing takes) are read as they are, which shortens both
-decode steps and prefill (figures: BENCHMARKS.md, "Decode speed in our engine"). One pack serves both: oneDNN's layout for a weight does not depend on the row count given as a hint.
+Up to `SMALL_ROWS` rows (decode steps, exact mode's verifications) the compiled `small_linear` streams each
+weight once from memory for all rows, and gives every row the same bits whatever the other rows (a row's result
+does not depend on the batch: exact mode's verification and a one-token step agree in these layers). Larger
+inputs (prefill) take oneDNN's prepacked weights (the path torch.compile's CPU freezing takes), read as they are.
+Figures: BENCHMARKS.md, "Decode speed in our engine".
 
 Packs are valid within a scope (`PackedLinears.packed`, one `generate` call) in which the weights do not change;
 they are made on first use and dropped at its end, so a training step's update is never missed (no version
@@ -20,7 +24,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from sparrow.attention import cpu_kernel
 from sparrow.io import env_flag
+
+SMALL_ROWS = 64  # inputs of at most this many rows take small_linear
 
 
 def usable() -> bool:
@@ -62,7 +69,12 @@ class PackedLinears:
             self._packs, self._layers = None, []
 
     def _forward_of(self, layer: nn.Linear):
+        small = cpu_kernel.usable(layer.weight)
+
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if small and x.numel() <= SMALL_ROWS * x.shape[-1]:
+                out = cpu_kernel.small_linear(x.reshape(-1, x.shape[-1]), layer.weight.detach(), layer.bias)
+                return out.view(*x.shape[:-1], -1)
             pack = self._packs.get(layer)
             if pack is None:
                 rows = x.numel() // x.shape[-1]

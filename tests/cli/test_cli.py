@@ -53,6 +53,10 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
      "--exact-rule residual judges exact mode's drafts: it needs --rollout-mode exact"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--rollout-mode", "exact",
       "--exact-rule", "optimal"], "unknown exact rule 'optimal': expected one of coupled, residual"),
+    (["bench", "--model", "tiny-llama", "--exact-rule", "residual"],
+     "--exact-rule residual judges exact mode's drafts: it needs --rollout-mode exact"),
+    (["bench", "--model", "tiny-llama", "--rollout-mode", "exact", "--exact-rule", "best"],
+     "--exact-rule 'best': expected one of coupled, residual"),
 ])
 def test_bad_input_gives_one_clear_error(argv, message, capsys):
     assert main(argv) == 2
@@ -87,6 +91,24 @@ def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
     assert result["identical_sequences"] == result["sequences"] == 4  # the dense policy's own tokens
     assert 1 <= result["tokens_per_verify"] <= 4 and 0 < result["coupled_acceptance"] <= 1
     assert result["prompt_tokens"] == 200
+
+
+def test_bench_times_the_residual_rule_when_asked(capsys, monkeypatch):
+    from sparrow.engine import exact
+
+    judged = []
+    rule = exact._judge_residual
+    monkeypatch.setattr(exact, "_judge_residual", lambda *a, **k: judged.append(1) or rule(*a, **k))
+    argv = ["bench", "--model", "tiny-llama", "--context", "200", "--batch", "2", "--steps", "12", "--repeats", "2",
+            "--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "3", "--json"]
+    assert main(argv) == 0 and not judged  # the coupling by default
+    capsys.readouterr()
+    assert main(argv + ["--exact-rule", "residual"]) == 0 and judged
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["config"]["exact_rule"] == "residual" and result["exact_tokens_per_s"] > 0
+    assert 0 < result["coupled_acceptance"] <= 1 and 1 <= result["tokens_per_verify"] <= 4
+    assert "residual acceptance" in captured.err
 
 
 def test_generate_in_exact_mode_equals_dense_generation(capsys):

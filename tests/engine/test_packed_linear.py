@@ -1,27 +1,31 @@
-"""Decode's linear layers with oneDNN-packed weights: the same logits to float rounding, packs that never outlive a
-change of the weights, and plain PyTorch where the README promises MKL's bits."""
+"""Decode's linear layers: Sparrow's small_linear for decode-sized inputs (PyTorch's results to rounding, each row's
+bits independent of the batch), oneDNN-packed weights for prefill, packs that never outlive a change of the
+weights, and plain PyTorch where the README promises MKL's bits."""
 
 import pytest
 import torch
 
+from sparrow.attention import cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine import packed_linear
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(not packed_linear.usable(), reason="oneDNN packing is not available here")
+needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="the compiled CPU kernel cannot be built here")
 
 
 def _step_logits(engine, prompt, rows: int, packed: bool) -> torch.Tensor:
     cache = engine.new_cache(rows, len(prompt) + 1)
-    logits = engine.prefill(cache, prompt, torch.arange(rows)).expand(rows, -1)
-    tokens = logits.argmax(-1)
     if not packed:
-        return engine.decode_step(cache, tokens, const(48))[0]
+        logits = engine.prefill(cache, prompt, torch.arange(rows)).expand(rows, -1)
+        return engine.decode_step(cache, logits.argmax(-1), const(48))[0]
     with engine.linears.packed():
-        out = engine.decode_step(cache, tokens, const(48))[0]
-        assert len(engine.linears._packs) == len(engine.linears._layers) > 0  # every layer ran packed
-    return out
+        logits = engine.prefill(cache, prompt, torch.arange(rows)).expand(rows, -1)
+        unpacked = [m for m in engine.linears._layers if m not in engine.linears._packs]
+        head = [engine.model.get_output_embeddings()] if cpu_kernel.load() is not None else []
+        assert unpacked == head  # the prompt's rows ran packed; its one row of logits took small_linear
+        return engine.decode_step(cache, logits.argmax(-1), const(48))[0]
 
 
 def test_packed_decode_gives_the_plain_logits_to_rounding(tiny):
@@ -30,6 +34,30 @@ def test_packed_decode_gives_the_plain_logits_to_rounding(tiny):
     plain, packed = _step_logits(engine, prompt, 4, False), _step_logits(engine, prompt, 4, True)
     assert (packed - plain).abs().max() < 1e-4
     assert not any("forward" in vars(m) for m in engine.model.modules())  # the layers' own forward is back
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, inner, outer", [(1, 64, 96), (5, 576, 1536), (8, 37, 11), (40, 128, 250),
+                                                (64, 96, 7), (7, 64, 1)])
+def test_small_linear_is_pytorchs_linear_and_gives_each_row_its_own_bits(rows, inner, outer):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, inner), torch.randn(outer, inner), torch.randn(outer)
+    for b in (None, bias):
+        got = cpu_kernel.small_linear(x, weight, b)
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert (got.double() - exact).abs().max() < 1e-6 * inner  # float32 rounding of an inner-length sum
+        alone = torch.cat([cpu_kernel.small_linear(x[r:r + 1], weight, b) for r in range(rows)])
+        assert torch.equal(got, alone)  # what a row gets does not depend on the other rows
+        flipped = cpu_kernel.small_linear(x.flip(0), weight, b)
+        assert torch.equal(flipped.flip(0), got)
+
+
+@needs_kernel
+def test_a_decode_step_gives_a_row_the_same_logits_alone_or_in_a_batch(tiny):
+    engine = RolloutEngine(*tiny)
+    prompt = random_prompts([90], seed=5)[0]
+    batch, alone = _step_logits(engine, prompt, 4, True), _step_logits(engine, prompt, 1, True)
+    assert torch.equal(batch[:1], alone)
 
 
 def test_a_weight_changed_between_calls_is_used_even_without_a_version_bump(llama):

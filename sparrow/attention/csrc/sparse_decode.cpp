@@ -565,8 +565,11 @@ torch::Tensor paged_sparse_decode(torch::Tensor q, torch::Tensor kv_cache, torch
   return decode_any_dim(st, pages);
 }
 
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);  // small_linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_decode", &sparse_decode, "page selection and sparse attention for one decode step");
   m.def("span_decode", &span_decode, "attention of several new tokens per row (causal among them)");
   m.def("paged_sparse_decode", &paged_sparse_decode, "the same step over vLLM's CPU paged KV cache");
+  m.def("small_linear", &small_linear, "x W^T + b for the few rows of a decode step");
 }
