@@ -69,7 +69,7 @@ class PackedLinears:
             self._packs, self._layers = None, []
 
     def _forward_of(self, layer: nn.Linear):
-        small = cpu_kernel.usable(layer.weight)
+        small = cpu_kernel.usable(layer.weight) and layer.weight.is_contiguous()
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if small and x.numel() <= SMALL_ROWS * x.shape[-1]:
