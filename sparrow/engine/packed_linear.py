@@ -3,9 +3,9 @@ prepacked weights for the rest.
 
 A decode step multiplies a few rows by each weight: memory-bound work, yet PyTorch's default path (MKL's sgemm)
 repacks a large weight on every call, so a small-batch step reads the weights far below the memory's bandwidth.
-Up to `SMALL_ROWS` rows (decode steps, exact mode's verifications) the compiled `small_linear` streams each
-weight once from memory for all rows, and gives every row the same bits whatever the other rows (a row's result
-does not depend on the batch: exact mode's verification and a one-token step agree in these layers). Larger
+Up to `SMALL_ROWS` rows (decode steps, and exact mode's verifications of that many rows) the compiled
+`small_linear` streams each weight once from memory for all rows, and gives every row the same bits whatever the
+other rows (a verification and a one-token step then agree in these layers). Larger
 inputs (prefill) take oneDNN's prepacked weights (the path torch.compile's CPU freezing takes), read as they are.
 Figures: BENCHMARKS.md, "Decode speed in our engine".
 
