@@ -142,6 +142,12 @@ class ScheduledSparseSection(SparseSection):
         return self.draft_tokens if self.exact else None
 
 
+def check_exact_rule_mode(rule: str, exact: bool) -> None:
+    """A rule other than the default applies to exact mode only: refused elsewhere rather than ignored."""
+    if rule != "coupled" and not exact:
+        raise SparrowError(f"--exact-rule {rule} judges exact mode's drafts: it needs --rollout-mode exact")
+
+
 @dataclass
 class SamplingSection:
     """How completions are sampled (the log-probs are after temperature, before top-k/top-p)."""
@@ -158,10 +164,7 @@ class SamplingSection:
         self.params(seed=0)
 
     def check_exact_rule(self, exact: bool) -> None:
-        """A rule other than the default applies to exact mode only: refused elsewhere rather than ignored."""
-        if self.exact_rule != "coupled" and not exact:
-            raise SparrowError(f"--exact-rule {self.exact_rule} judges exact mode's drafts: it needs --rollout-mode "
-                               "exact")
+        check_exact_rule_mode(self.exact_rule, exact)
 
     def params(self, seed: int, **extra) -> SamplingParams:
         """The engine's SamplingParams (validated there) with `seed` and any command-specific `extra` fields."""

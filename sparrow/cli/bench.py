@@ -21,7 +21,7 @@ from sparrow.engine.sampling import EXACT_RULES
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_config
 from sparrow.models import MODEL_NAMES, resolve_dtype
-from sparrow.options import AdaptedModelSection, ScheduledSparseSection
+from sparrow.options import AdaptedModelSection, ScheduledSparseSection, check_exact_rule_mode
 from sparrow.rollout.factory import check_backend
 from sparrow.typed_config import check_int, option, section, to_nested
 
@@ -73,9 +73,7 @@ class BenchConfig:
                                "--stock or --block-size")
         if self.exact_rule not in EXACT_RULES:
             raise SparrowError(f"--exact-rule {self.exact_rule!r}: expected one of {', '.join(EXACT_RULES)}")
-        if self.exact_rule != "coupled" and not self.sparse.exact:
-            raise SparrowError(f"--exact-rule {self.exact_rule} judges exact mode's drafts: it needs --rollout-mode "
-                               "exact")
+        check_exact_rule_mode(self.exact_rule, self.sparse.exact)
         if self.stock and self.backend != "vllm":
             raise SparrowError("--stock times stock vLLM beside the plugin: it needs --backend vllm")
         if self.backend == "vllm" and self.steps < 2:

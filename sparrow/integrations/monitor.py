@@ -18,10 +18,9 @@ import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.attention.interface import base_model
-from sparrow.attention.teacher_forced import SharedPrompt
 from sparrow.errors import SparrowError
 from sparrow.measure.acceptance import piece_acceptance
-from sparrow.measure.batch import RolloutBatch, piece_logits, shared_prompt_pieces
+from sparrow.measure.batch import RolloutBatch, piece_logits, piece_prompt, shared_prompt_pieces
 from sparrow.rl.adaptive import by_bin
 from sparrow.rl.config import MonitorSection
 from sparrow.rl.step_metrics import exact_metrics
@@ -94,7 +93,7 @@ def measure(model, batch: RolloutBatch, rows: int, schedules: dict[str, Schedule
     alpha = {name: torch.zeros_like(batch.mask) for name in schedules}
     with measuring(model):
         for piece in shared_prompt_pieces(batch, torch.arange(rows), max_rows):
-            prompt = SharedPrompt(model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+            prompt = piece_prompt(model, batch, piece)
             dense, _ = piece_logits(model, batch, piece, prompt.logits)
             for name, schedule in schedules.items():
                 alpha[name][piece] = piece_acceptance(model, batch, piece, schedule, sparse, temperature, dense,

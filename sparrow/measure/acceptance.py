@@ -21,7 +21,7 @@ from sparrow.attention.teacher_forced import SharedPrompt, sparse_completion_log
 from sparrow.engine import Completion
 from sparrow.lora import has_adapter, without_adapter
 from sparrow.metrics.divergence import acceptance_rate
-from .batch import RolloutBatch, piece_logits, shared_prompt_pieces
+from .batch import RolloutBatch, piece_logits, piece_prompt, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
 
 
@@ -37,7 +37,7 @@ def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: 
     with torch.no_grad():
         if dense_logits is None:
             with without_adapter(model):
-                prompt = SharedPrompt(model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+                prompt = piece_prompt(model, batch, piece)
                 dense_logits, _ = piece_logits(model, batch, piece, prompt.logits)
             if has_adapter(model):
                 prompt = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparrow.attention.teacher_forced import shared_prompt_logits
+from sparrow.attention.teacher_forced import SharedPrompt, shared_prompt_logits
 from sparrow.engine import Completion
 from sparrow.errors import SparrowError
 
@@ -106,6 +106,13 @@ def piece_logits(model, batch: RolloutBatch, piece: torch.Tensor,
     p = int(batch.prompt_lengths[piece[0]])
     end = int(batch.mask[piece].sum(dim=0).nonzero().max()) + 2
     return forward(model, batch.input_ids[piece, :end], p), slice(p - 1, end - 1)
+
+
+def piece_prompt(model, batch: RolloutBatch, piece: torch.Tensor) -> SharedPrompt:
+    """The `SharedPrompt` of a shared-prompt piece: its prompt's forward, for every forward of the piece whose
+    prompt keys and values are the same (`piece_logits(..., prompt.logits)`)."""
+    first = int(piece[0])
+    return SharedPrompt(model, batch.input_ids[first:first + 1, :int(batch.prompt_lengths[first])])
 
 
 def piece_logprobs(logits: torch.Tensor, batch: RolloutBatch, piece: torch.Tensor, span: slice,

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.attention.teacher_forced import SharedPrompt
 from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.measure.acceptance import piece_acceptance
-from sparrow.measure.batch import RolloutBatch, piece_logits, piece_logprobs, same_prompt, shared_prompt_pieces
+from sparrow.measure.batch import (RolloutBatch, piece_logits, piece_logprobs, piece_prompt, same_prompt,
+                                   shared_prompt_pieces)
 from sparrow.measure.bounds import acceptance_bounds
 from sparrow.rewards.runner import ScoreResult
 from sparrow.rewards.scoring import score_examples
@@ -175,7 +175,7 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     monitor_s = 0.0
     for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg, grad=False):
         with torch.no_grad(), policy.dense():
-            prompt = SharedPrompt(policy.model, batch.input_ids[piece[:1], :int(batch.prompt_lengths[piece[0]])])
+            prompt = piece_prompt(policy.model, batch, piece)
             logits, span = piece_logits(policy.model, batch, piece, prompt.logits)
         logp_old[piece] = piece_logprobs(logits, batch, piece, span, temperature)
         shared = prompt if policy.distiller is None else None  # an adapter's sparse actor has a prefill of its own
@@ -293,7 +293,7 @@ def _with_shared_prompts(model, batch: RolloutBatch, pieces: list[torch.Tensor])
         if prompt is None or not same_prompt(batch, row, first):
             if prompt is not None:
                 prompt.backward()
-            prompt, row = SharedPrompt(model, batch.input_ids[first:first + 1, :int(batch.prompt_lengths[first])]), first
+            prompt, row = piece_prompt(model, batch, piece), first
         yield piece, prompt
     if prompt is not None:
         prompt.backward()
