@@ -49,6 +49,9 @@ class CostConfig:
     hardware: str = option("h200", "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)")
     peak_flops: float | None = option(None, "peak dense FLOP/s (overrides the preset)")
     bandwidth: float | None = option(None, "memory bandwidth in bytes/s (overrides the preset)")
+    step_overhead: float = option(0.0, "host seconds per forward pass besides its FLOPs and bytes (Python, "
+                                       "launches, sampling): 0 on GPUs; on a CPU, bench's measured step time minus "
+                                       "the predicted one (docs/cost-model.md)")
     sparse: SparseSection = section(SparseSection)
     page_sizes: str | None = option(None, "comma-separated page sizes to compare at the same token budgets, e.g. "
                                           "16,32,64,128")
@@ -104,7 +107,7 @@ class CostConfig:
         return len(indices)
 
     def hw(self):
-        return hardware(self.hardware, self.peak_flops, self.bandwidth)
+        return hardware(self.hardware, self.peak_flops, self.bandwidth, self.step_overhead)
 
 
 def _whole(value: float) -> float | int:
@@ -150,7 +153,7 @@ def evaluate(config: CostConfig) -> dict:
         "kv_width": dims.kv_width,
         "gqa_ratio": dims.gqa_ratio,
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth": hw.bandwidth,
-                     "intensity": hw.intensity},
+                     "intensity": hw.intensity, "step_overhead": hw.step_overhead},
         "schedule": schedule.name,
         "prompt_len": config.prompt_len,
         "gen_len": config.gen_len,
@@ -172,8 +175,9 @@ def _print(report: dict) -> None:
     hw = report["hardware"]
     print(f"model {report['model']}: {report['params'] / 1e9:.3f}B params, KV width {report['kv_width']}, "
           f"GQA ratio {report['gqa_ratio']:g}")
+    overhead = f", {hw['step_overhead'] * 1e3:g} ms per forward pass" if hw["step_overhead"] else ""
     print(f"hardware {hw['name']}: {hw['peak_flops'] / 1e12:g} TFLOP/s, {hw['bandwidth'] / 1e12:g} TB/s, "
-          f"I = {hw['intensity']:.1f} FLOP/byte")
+          f"I = {hw['intensity']:.1f} FLOP/byte{overhead}")
     print(f"trajectory: {report['prompt_len']} prompt + {report['gen_len']} generated tokens x {report['samples']} "
           f"samples, schedule {report['schedule']}, page size {report['page_size']}")
     print()
@@ -181,7 +185,8 @@ def _print(report: dict) -> None:
             ("sparse", f"{report['sparse_cost']:.4g}", f"{report['sparse_attention_share']:.1%}")]
     for line in _table(("", "cost (equivalent FLOPs)", "attention share"), rows):
         print(line)
-    print(f"predicted speedup: {report['predicted_speedup']:.2f}x")
+    print(f"predicted speedup: {report['predicted_speedup']:.2f}x (mean decode step: dense "
+          f"{report['dense_step_s'] * 1e3:.3g} ms, sparse {report['sparse_step_s'] * 1e3:.3g} ms)")
     if "exact" in report:
         exact = report["exact"]
         print(f"exact mode (acceptance {exact.get('acceptance', 0):g}): K = {exact['draft_tokens']} drafted tokens, "

@@ -221,7 +221,8 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     return schedule, choices
 
 
-def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16, max_draft_tokens: int = 16) -> list[dict]:
+def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16, max_draft_tokens: int = 16,
+                     bytes_per_param=2, bytes_per_kv=2) -> list[dict]:
     """Exact mode's predicted decode speedup for every profiled schedule, best first: each schedule's mean
     acceptance over the profile stands for its drafts' per-token acceptance, and the cost model picks the draft
     length (`cost_model.best_draft_tokens`) at the profile's prompt and generation lengths. In exact mode the budget
@@ -235,7 +236,8 @@ def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16,
         if schedule.is_dense:
             continue
         best = best_draft_tokens(dims, hw, schedule, prompt_len, gen_len, samples, entry["overall"]["mean"],
-                                 max_draft_tokens, page_size=page_size)
+                                 max_draft_tokens, page_size=page_size, bytes_per_param=bytes_per_param,
+                                 bytes_per_kv=bytes_per_kv)
         rows.append({"schedule": name, **best})
     if not rows:
         raise SparrowError("the profile holds no sparse schedule to draft with")

@@ -1,7 +1,8 @@
 """Cost of dense vs sparse rollouts in "equivalent FLOPs" (SPEC section 6), derived per decode step.
 
 A decode step costs `flops + I * bytes`, with I = peak FLOP/s / memory bandwidth, so a byte moved counts as the
-FLOPs the chip could have done in the time it takes to move it. Per step we count the weight reads (once for the
+FLOPs the chip could have done in the time it takes to move it, plus the host time every forward pass pays besides
+(`Hardware.step_overhead`, 0 for the presets), at peak FLOP/s; cost / peak FLOP/s is a predicted time. Per step we count the weight reads (once for the
 whole batch), the K/V reads of the attended tokens and the landmark reads of sparse layers (per sequence), the
 projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the decode steps of `samples`
 sequences that share one prompt, plus one dense prefill of that prompt. `paper_cost` is the paper's printed
@@ -29,11 +30,19 @@ from sparrow.typed_config import check_int
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator: dense bf16 peak FLOP/s and memory bandwidth in bytes/s."""
+    """One accelerator: dense bf16 peak FLOP/s, memory bandwidth in bytes/s, and step_overhead: seconds of host
+    time per forward pass (Python, kernel launches, sampling) that neither FLOPs nor bytes account for. The presets
+    take 0 (CUDA graphs); on a CPU it is tens of milliseconds, fitted from `sparrow bench` (docs/cost-model.md)."""
 
     name: str
     peak_flops: float
     bandwidth: float
+    step_overhead: float = 0.0
+
+    @property
+    def overhead_flops(self) -> float:
+        """The step overhead in equivalent FLOPs: what the chip could compute at peak in that time."""
+        return self.step_overhead * self.peak_flops
 
     @property
     def intensity(self) -> float:
@@ -54,32 +63,40 @@ HARDWARE = {
 """Published peaks. `cpu` has no preset: its numbers depend on the machine and must be given."""
 
 
-def hardware(name: str, peak_flops: float | None = None, bandwidth: float | None = None) -> Hardware:
-    """A preset by name, with either number overridable; `cpu` needs both numbers."""
+def hardware(name: str, peak_flops: float | None = None, bandwidth: float | None = None,
+             step_overhead: float = 0.0) -> Hardware:
+    """A preset by name, with either number overridable; `cpu` needs both numbers. `step_overhead` (seconds per
+    forward pass, >= 0) applies to any of them."""
     key = str(name).strip().lower()
     for what, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
+    if isinstance(step_overhead, bool) or not isinstance(step_overhead, numbers.Real) or not (
+            0 <= step_overhead < 3600):
+        raise SparrowError(f"step_overhead must be seconds per forward pass from 0 to 3600, got {step_overhead!r}")
+    step_overhead = float(step_overhead)
     if key == "cpu":
         missing = [flag for flag, value in (("--peak-flops", peak_flops), ("--bandwidth", bandwidth)) if value is None]
         if missing:
             raise SparrowError(f"hardware 'cpu' has no published numbers: give {' and '.join(missing)} "
                                "(FLOP/s and bytes/s of this machine)")
-        return Hardware("cpu", float(peak_flops), float(bandwidth))
+        return Hardware("cpu", float(peak_flops), float(bandwidth), step_overhead)
     if key not in HARDWARE:
         raise SparrowError(f"unknown hardware {name!r}: expected one of {', '.join(HARDWARE)} or cpu "
                            "(with --peak-flops and --bandwidth)")
     preset = HARDWARE[key]
     return Hardware(key, float(peak_flops) if peak_flops is not None else preset.peak_flops,
-                    float(bandwidth) if bandwidth is not None else preset.bandwidth)
+                    float(bandwidth) if bandwidth is not None else preset.bandwidth, step_overhead)
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """FLOPs, bytes and equivalent FLOPs (`cost = flops + I * bytes`) of one decode step or a sum of them.
+    """FLOPs, bytes and equivalent FLOPs (`cost = flops + I * bytes + forwards * overhead`) of one decode step or
+    a sum of them.
 
-    flops = proj_flops + attn_flops + score_flops; bytes = weight_bytes + kv_bytes + landmark_bytes.
-    attention_share is the part of `cost` due to attention: K/V and landmark bytes, attention and scoring FLOPs.
+    flops = proj_flops + attn_flops + score_flops; bytes = weight_bytes + kv_bytes + landmark_bytes; forwards: the
+    forward passes, each paying the hardware's step overhead. attention_share is the part of `cost` due to
+    attention: K/V and landmark bytes, attention and scoring FLOPs.
     """
 
     flops: int
@@ -92,6 +109,7 @@ class StepCost:
     proj_flops: int
     attn_flops: int
     score_flops: int
+    forwards: int
 
 
 @dataclass(frozen=True)
@@ -104,20 +122,25 @@ class TrajectoryCost(StepCost):
     samples: int
 
 
-def _cost(intensity: float, *, weight_bytes: int, kv_bytes: int, landmark_bytes: int, proj_flops: int,
-          attn_flops: int, score_flops: int) -> StepCost:
+def _cost(hw: Hardware, *, weight_bytes: int, kv_bytes: int, landmark_bytes: int, proj_flops: int,
+          attn_flops: int, score_flops: int, forwards: int) -> StepCost:
     """Assemble a StepCost from its parts."""
     flops = proj_flops + attn_flops + score_flops
     nbytes = weight_bytes + kv_bytes + landmark_bytes
-    cost = flops + intensity * nbytes
-    attention = attn_flops + score_flops + intensity * (kv_bytes + landmark_bytes)
+    cost = flops + hw.intensity * nbytes + forwards * hw.overhead_flops
+    attention = attn_flops + score_flops + hw.intensity * (kv_bytes + landmark_bytes)
     return StepCost(flops, nbytes, cost, attention / cost if cost else 0.0, weight_bytes, kv_bytes, landmark_bytes,
-                    proj_flops, attn_flops, score_flops)
+                    proj_flops, attn_flops, score_flops, forwards)
 
 
-def _add(intensity: float, a: StepCost, b: StepCost) -> StepCost:
-    names = ("weight_bytes", "kv_bytes", "landmark_bytes", "proj_flops", "attn_flops", "score_flops")
-    return _cost(intensity, **{n: getattr(a, n) + getattr(b, n) for n in names})
+def _add(hw: Hardware, a: StepCost, b: StepCost) -> StepCost:
+    names = ("weight_bytes", "kv_bytes", "landmark_bytes", "proj_flops", "attn_flops", "score_flops", "forwards")
+    return _cost(hw, **{n: getattr(a, n) + getattr(b, n) for n in names})
+
+
+def seconds(cost: StepCost, hw: Hardware) -> float:
+    """The predicted time of `cost` on `hw`: equivalent FLOPs at peak FLOP/s."""
+    return cost.cost / hw.peak_flops
 
 
 MAX_LENGTH = 10**7
@@ -191,13 +214,14 @@ def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: i
     page_bytes = lm.bytes_per_page(dims.kv_heads, dims.head_dim, bytes_per_kv)
     page_flops = lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
     return _cost(
-        hw.intensity,
+        hw,
         weight_bytes=steps * dims.step_params * bytes_per_param,
         kv_bytes=batch * 2 * per_kv_head * bytes_per_kv * (tokens_read + steps * dims.layers),
         landmark_bytes=batch * page_bytes * sparse_layers * sum_scored,
         proj_flops=2 * dims.step_params * batch * steps,
         attn_flops=batch * 4 * dims.heads * dims.head_dim * tokens_read,
         score_flops=batch * page_flops * sparse_layers * sum_scored,
+        forwards=steps,
     )
 
 
@@ -209,13 +233,14 @@ def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param
     """
     pairs = prompt_len * (prompt_len + 1) // 2
     return _cost(
-        hw.intensity,
+        hw,
         weight_bytes=dims.step_params * bytes_per_param,
         kv_bytes=2 * dims.kv_width * prompt_len * bytes_per_kv,
         landmark_bytes=0,
         proj_flops=2 * dims.step_params * prompt_len,
         attn_flops=4 * dims.heads * dims.head_dim * dims.layers * pairs,
         score_flops=0,
+        forwards=1,
     )
 
 
@@ -239,7 +264,7 @@ def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_le
     decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, dense_layers, landmark,
                      bytes_per_param, bytes_per_kv)
     prefill = prefill_cost(dims, hw, prompt_len, bytes_per_param, bytes_per_kv)
-    total = _add(hw.intensity, prefill, decode)
+    total = _add(hw, prefill, decode)
     return TrajectoryCost(**dataclasses.asdict(total), prefill=prefill, decode=decode, steps=gen_len,
                           samples=samples)
 
@@ -247,7 +272,8 @@ def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_le
 def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
             page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
             bytes_per_kv=2) -> dict:
-    """Dense vs `schedule` over the same trajectory: costs, predicted speedup, attention shares, breakdowns."""
+    """Dense vs `schedule` over the same trajectory: costs, predicted speedup, mean decode step times, attention
+    shares, breakdowns."""
     if schedule.is_dense:
         raise SparrowError(f"schedule {schedule.name!r} is dense: nothing to compare; give a sparse schedule")
     options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
@@ -258,6 +284,8 @@ def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, 
         "dense_cost": dense.cost,
         "sparse_cost": sparse.cost,
         "predicted_speedup": dense.cost / sparse.cost,
+        "dense_step_s": seconds(dense.decode, hw) / gen_len,
+        "sparse_step_s": seconds(sparse.decode, hw) / gen_len,
         "dense_attention_share": dense.attention_share,
         "sparse_attention_share": sparse.attention_share,
         "dense": dataclasses.asdict(dense),
@@ -338,8 +366,9 @@ def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: 
     dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options).decode
     sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options).decode
     span = draft_tokens + 1
-    verify = _cost(hw.intensity, weight_bytes=dense.weight_bytes, kv_bytes=dense.kv_bytes, landmark_bytes=0,
-                   proj_flops=span * dense.proj_flops, attn_flops=span * dense.attn_flops, score_flops=0)
+    verify = _cost(hw, weight_bytes=dense.weight_bytes, kv_bytes=dense.kv_bytes, landmark_bytes=0,
+                   proj_flops=span * dense.proj_flops, attn_flops=span * dense.attn_flops, score_flops=0,
+                   forwards=dense.forwards)
     per_round = tokens_per_verify(acceptance, draft_tokens)
     exact_cost = (draft_tokens * sparse.cost + verify.cost) / per_round
     return {"acceptance": acceptance, "dense_decode_cost": dense.cost, "sparse_decode_cost": sparse.cost, "exact_decode_cost": exact_cost,

@@ -144,6 +144,18 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
     printed = capsys.readouterr().out
     assert f"--draft-tokens {best['draft_tokens']}" in printed
     assert parse_schedule(str(out)).budgets
+    # on a CPU, float32 and the host time of every forward pass: a slower prediction, the same numbers printed
+    cpu = ["--hardware", "cpu", "--peak-flops", "1.33e11", "--bandwidth", "2.44e10", "--param-bytes", "4",
+           "--kv-bytes", "4"]
+    plain, hosted = (exact_candidates(profile, dims, hardware("cpu", 1.33e11, 2.44e10, overhead), samples=8,
+                                      bytes_per_param=4, bytes_per_kv=4)[0] for overhead in (0.0, 0.045))
+    assert hosted["exact_over_dense"] < plain["exact_over_dense"]
+    assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact", *cpu,
+                 "--step-overhead", "0.045", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{hosted['exact_over_dense']:>11.2f}x" in printed and f"--draft-tokens {hosted['draft_tokens']}" in printed
+    assert main(["calibrate", "--profile", "examples/manifest-profile.json", *cpu[:6], "--kv-bytes", "0"]) == 2
+    assert "kv_bytes must be a finite number > 0 and <= 64, got 0.0" in capsys.readouterr().err
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
                  "--min-retention", "0.9"]) == 2
     assert "takes no --min-retention" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from sparrow.measure.cost_model import (
     hardware,
     paper_cost,
     prefill_cost,
+    seconds,
     tokens_per_verify,
     trajectory_cost,
 )
@@ -94,6 +95,31 @@ def test_hardware_presets_and_overrides():
         hardware("cpu", peak_flops=1e12)
     with pytest.raises(SparrowError, match="unknown hardware 'tpu'"):
         hardware("tpu")
+    assert hardware("h200").step_overhead == 0 and hardware("cpu", 1e12, 1e11, 0.04).step_overhead == 0.04
+    for bad in (-0.001, float("nan"), True, "0.1"):
+        with pytest.raises(SparrowError, match="step_overhead must be seconds per forward pass"):
+            hardware("h100", step_overhead=bad)
+
+
+def test_every_forward_pass_pays_the_step_overhead():
+    # 0.5 s at 100 FLOP/s: 50 equivalent FLOPs per forward pass, on top of the FLOPs and bytes
+    slow = Hardware("toy", peak_flops=100.0, bandwidth=10.0, step_overhead=0.5)
+    for budget in (None, 64):
+        base, with_overhead = (step_cost(SMALL, hw, 2, 100, budget, 16) for hw in (TOY_HW, slow))
+        assert with_overhead.forwards == 1 and with_overhead.cost == base.cost + 50
+        assert (with_overhead.flops, with_overhead.bytes) == (base.flops, base.bytes)
+        assert seconds(with_overhead, slow) == pytest.approx(base.cost / 100 + 0.5)
+    total = trajectory_cost(SMALL, slow, const(64), 37, 150, 3)
+    assert total.forwards == 151 and total.prefill.forwards == 1  # one prefill, 150 decode steps
+    assert total.cost == pytest.approx(trajectory_cost(SMALL, TOY_HW, const(64), 37, 150, 3).cost + 151 * 50)
+    # a cost paid by both sides alike brings the predicted speedup toward 1
+    dims, cpu = model_dims("smollm2-135m"), hardware("cpu", 1.33e11, 2.44e10)
+    args = (const(1024), 8100, 64, 8)
+    plain = compare(dims, cpu, *args, bytes_per_param=4, bytes_per_kv=4)
+    hosted = compare(dims, hardware("cpu", 1.33e11, 2.44e10, 0.045), *args, bytes_per_param=4, bytes_per_kv=4)
+    assert hosted["dense_step_s"] == pytest.approx(plain["dense_step_s"] + 0.045)
+    assert hosted["sparse_step_s"] == pytest.approx(plain["sparse_step_s"] + 0.045)
+    assert 1 < hosted["predicted_speedup"] < plain["predicted_speedup"]
 
 
 def test_step_cost_by_hand():
@@ -149,7 +175,7 @@ def test_trajectory_is_the_sum_of_its_steps_and_the_prefill():
     parts = [prefill_cost(SMALL, TOY_HW, prompt)]
     parts += [step_cost(SMALL, TOY_HW, n, prompt + i + 1, schedule.budget_at(prompt + i + 1), 16) for i in range(gen)]
     for name in ("flops", "bytes", "weight_bytes", "kv_bytes", "landmark_bytes", "proj_flops", "attn_flops",
-                 "score_flops"):
+                 "score_flops", "forwards"):
         assert getattr(total, name) == sum(getattr(p, name) for p in parts), name
     assert total.cost == pytest.approx(sum(p.cost for p in parts), rel=1e-12)
     assert total.prefill == parts[0]
@@ -247,6 +273,11 @@ def test_cli_reads_a_local_config_directory(tmp_path, capsys):
     assert code == 0
     report = json.loads(out)
     assert report["params"] == 134_515_008 and report["hardware"]["intensity"] == pytest.approx(20.0)
+    assert report["hardware"]["step_overhead"] == 0
+    code, out, _ = _run(["--model", str(tmp_path), "--schedule", "const:1024", "--gen-len", "4000", "--hardware",
+                         "cpu", "--peak-flops", "1e12", "--bandwidth", "5e10", "--step-overhead", "0.04"], capsys)
+    dense_ms = (report["dense"]["decode"]["cost"] / 1e12 / 4000 + 0.04) * 1e3
+    assert code == 0 and "40 ms per forward pass" in out and f"mean decode step: dense {dense_ms:.3g} ms" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -255,6 +286,8 @@ def test_cli_reads_a_local_config_directory(tmp_path, capsys):
     (["--model", "smollm2-135m", "--schedule", "dense"], "nothing to compare"),
     (["--model", "smollm2-135m"], "give --schedule"),
     (["--model", "smollm2-135m", "--schedule", "const:512", "--dense-layers", "0,40"], "out of range"),
+    (["--model", "smollm2-135m", "--schedule", "const:512", "--step-overhead", "-1"],
+     "step_overhead must be seconds per forward pass from 0 to 3600, got -1.0"),
     (["--model", "smollm2-135m", "--schedule", "const:512", "--prompt-lens", "1000,0"],
      "prompt_lens must be one or more lengths from 1 to 10,000,000 tokens, got '1000,0'"),
 ])
@@ -306,6 +339,12 @@ def test_exact_decode_prices_k_drafts_and_one_span_verification():
     assert perfect["exact_decode_cost"] == pytest.approx((4 * sparse.cost + verify) / 5)
     assert perfect["exact_over_dense"] < perfect["sparse_over_dense"]  # never faster than pure sparse decode
     assert exact_decode(*args, acceptance=0.0, draft_tokens=4)["exact_over_dense"] < 1  # every draft wasted
+    slow = hardware("h200", step_overhead=1e-3)  # one overhead per draft and one per verification
+    sparse_slow = trajectory_cost(dims, slow, const(1024), 8000, 512, 8).decode
+    dense_slow = trajectory_cost(dims, slow, DENSE, 8000, 512, 8).decode
+    assert sparse_slow.cost == pytest.approx(sparse.cost + 512 * slow.overhead_flops)
+    assert exact_decode(dims, slow, *args[2:], acceptance=1.0, draft_tokens=4)["exact_decode_cost"] == pytest.approx(
+        (4 * sparse_slow.cost + dense_slow.cost + 4 * (dense.proj_flops + dense.attn_flops)) / 5)
     best = best_draft_tokens(*args, acceptance=0.9)
     assert all(exact_decode(*args, acceptance=0.9, draft_tokens=k)["exact_over_dense"] <= best["exact_over_dense"]
                for k in range(1, 17))
