@@ -63,8 +63,8 @@ def load():
             if not free:
                 raise TimeoutError(f"another process has held the build lock of {build_dir} for over "
                                    f"{BUILD_WAIT_S:g} s")
-            if not any(build_dir.glob("*.so")):
-                _say("building the CPU sparse-decode kernel (once, about 30 s)")
+            if needs_build(build_dir):
+                _say("building the CPU sparse-decode kernel (once per checkout and CPU, about 30 s)")
             _module = build(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                             extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
@@ -72,6 +72,15 @@ def load():
         warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({err})")
         _module = None
     return _module
+
+
+def needs_build(build_dir: Path) -> bool:
+    """Whether loading will compile: no library yet, or one built from sources at another path (another checkout
+    of the repository), which torch rebuilds silently."""
+    ninja = build_dir / "build.ninja"
+    if not any(build_dir.glob("*.so")) or not ninja.is_file():
+        return True
+    return not all(str(source) in ninja.read_text(errors="replace") for source in _SOURCES)
 
 
 def build_name(cpuinfo: str | None = None) -> str:

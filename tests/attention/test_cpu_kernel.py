@@ -175,3 +175,13 @@ def test_the_span_step_is_causal_attention_over_each_rows_cache(dim, page, group
             weights = torch.softmax(0.3 * queries[r, :, row, None] @ flat_k[r, :, :seen].transpose(-1, -2), dim=-1)
             want = (weights @ flat_v[r, :, :seen])[:, 0]  # [heads, dim]
             assert torch.allclose(got[r, :, row], want, atol=1e-5), (r, row)
+
+
+def test_a_build_from_another_checkouts_sources_is_announced_as_a_build(tmp_path):
+    assert cpu_kernel.needs_build(tmp_path)  # nothing built
+    (tmp_path / "kernel.so").write_bytes(b"\x7fELF")
+    ours = "\n".join(f"build x.o: compile {source}" for source in cpu_kernel._SOURCES)
+    (tmp_path / "build.ninja").write_text(ours.replace(str(Path(cpu_kernel.__file__).parent), "/tmp/other/checkout"))
+    assert cpu_kernel.needs_build(tmp_path)  # torch would rebuild it silently: paths differ
+    (tmp_path / "build.ninja").write_text(ours)
+    assert not cpu_kernel.needs_build(tmp_path)
