@@ -9,7 +9,9 @@ reward the sparse actor keeps; it is logged only and never enters the update. `r
 completions; `score` runs the reward functions; `advantages` normalizes them per group (an estimator chosen by
 name); `recompute` runs the dense policy over the rollouts (pi_old, the top-K acceptance bounds, the exact
 acceptance of a share of the groups, the KL reference, the TIS weights); `update` takes the clipped-PPO steps
-(and DistillSparse's adapter step); the backend then gets the new weights.
+(and DistillSparse's adapter step); the backend then gets the new weights. With one optimizer step per GRPO step
+the update's own forward gives pi_old, the bounds and the TIS weights, and the recompute runs only the monitored
+rows (`old_policy_from_update`).
 The dense policy's log-probs are computed with the model's own attention (no Sparrow context: dense).
 """
 
@@ -158,33 +160,56 @@ def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) ->
     return set(range(math.ceil(mon.monitor_share * len(step.examples)) * cfg.grpo.num_generations))
 
 
+def old_policy_from_update(policy: Policy, cfg: StepConfig) -> bool:
+    """Whether pi_old comes from the update's own forward instead of a recompute. With one optimizer step per GRPO
+    step the update's forwards all run the weights the rollouts' recompute would (the optimizer steps after the
+    last micro-batch), so pi_old is their log-prob, detached, and the PPO ratio is 1 (TRL does the same with one
+    iteration). That saves a dense forward over every rollout, a sixth of a long-answer step. Not with several
+    mini-batches (later ones run updated weights) or DistillSparse (its adapter step reads the recompute)."""
+    return cfg.grpo.mini_batches == 1 and policy.distiller is None
+
+
+def _dense_outputs(step: StepBatch, piece: torch.Tensor, span: slice, logits: torch.Tensor,
+                   logp: torch.Tensor) -> None:
+    """Record a piece's dense log-probs as pi_old and the top-K bounds on each token's acceptance from its dense
+    logits (no gradients)."""
+    batch = step.batch
+    step.logp_old[piece] = logp.detach()
+    valid = batch.mask[piece, span].bool()
+    low, high = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
+                                  logits.detach()[valid], batch.temperature)
+    found = torch.zeros(*valid.shape, 2, device=valid.device)
+    found[valid] = torch.stack([low, high], dim=-1)
+    step.bounds[piece.tolist(), span] = found
+
+
 def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) -> None:
     """pi_old of the sampled tokens, the top-K bounds [N, 2] on each token's acceptance, the exact acceptance of
     the monitored rows (their sparse teacher-forced forward against these very dense logits), the KL reference's
     log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per piece, and
-    the monitor's sparse forwards reuse it (the prefill is dense) unless a DistillSparse adapter changes it."""
+    the monitor's sparse forwards reuse it (the prefill is dense) unless a DistillSparse adapter changes it.
+    When the update gives pi_old (`old_policy_from_update`), only the monitored rows run here, for the monitor; the
+    update then records pi_old, the bounds and the TIS weights of every row."""
     clock = time.perf_counter()
     batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
     step.advantages = step.advantages.to(policy.device)
     temperature = batch.temperature
-    logp_old = torch.zeros_like(batch.rollout_logprobs)
-    bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
+    step.logp_old = torch.zeros_like(batch.rollout_logprobs)
+    step.bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
     exact = torch.full_like(batch.mask, float("nan"))
     extra = {name: torch.full_like(batch.mask, float("nan")) for name in step.measure}
     monitored = _monitored(policy, step, cfg, number)
+    rows = torch.arange(batch.input_ids.shape[0])
+    fused = old_policy_from_update(policy, cfg)
+    if fused:
+        rows = rows[sorted(monitored)] if monitored and cfg.draft_tokens is None else rows[:0]
     monitor_s = 0.0
-    for piece in _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg, grad=False):
+    for piece in _pieces(step, rows, cfg, grad=False) if len(rows) else []:
         with torch.no_grad(), policy.dense():
             prompt = piece_prompt(policy.model, batch, piece)
             logits, span = piece_logits(policy.model, batch, piece, prompt.logits)
-        logp_old[piece] = piece_logprobs(logits, batch, piece, span, temperature)
+            _dense_outputs(step, piece, span, logits, piece_logprobs(logits, batch, piece, span, temperature))
         shared = prompt if policy.distiller is None else None  # an adapter's sparse actor has a prefill of its own
-        valid = batch.mask[piece, span].bool()
-        low, high = acceptance_bounds(batch.top_ids[piece, span][valid], batch.top_logprobs[piece, span][valid],
-                                      logits[valid], temperature)
-        found = torch.zeros(*valid.shape, 2, device=valid.device)
-        found[valid] = torch.stack([low, high], dim=-1)
-        bounds[piece.tolist(), span] = found
         if monitored and int(piece[0]) in monitored and cfg.draft_tokens is None:
             began = time.perf_counter()
             exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
@@ -194,7 +219,6 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
                                                       dense_logits=logits, prompt=shared)
             monitor_s += time.perf_counter() - began
     valid = batch.mask.bool()
-    step.logp_old, step.bounds = logp_old, bounds[valid]
     if cfg.draft_tokens is not None:  # exact mode: every drafted token's alpha was recorded while decoding, in every row
         exact = free_monitor(step.completions, batch.mask)
         monitored = set(range(len(step.completions)))
@@ -206,12 +230,14 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     if cfg.grpo.kl_coef > 0:
         if policy.reference is None:
             raise SparrowError("kl_coef > 0 needs a reference model")
-        step.logp_ref = torch.zeros_like(logp_old)
+        step.logp_ref = torch.zeros_like(step.logp_old)
         with torch.no_grad():
             for piece in _pieces(step, torch.arange(len(step.completions)), cfg, grad=False):
                 ref_logits, span = piece_logits(policy.reference, batch, piece)
                 step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, temperature)
-    step.weights = tis_weights(logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
+    if not fused:
+        step.weights = tis_weights(step.logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
+        step.bounds = step.bounds[valid]
     step.timing["time/recompute_s"] = time.perf_counter() - clock - monitor_s
 
 
@@ -229,6 +255,9 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
     """The clipped-PPO update over `mini_batches` optimizer steps, micro-batches accumulated; a mini-batch whose
     loss or gradient is not finite is skipped (or stops the run: `non_finite: stop`) and never applied."""
     grpo, batch = cfg.grpo, step.batch
+    fused = old_policy_from_update(policy, cfg)
+    if fused:
+        step.weights = torch.zeros_like(step.logp_old)
     with _Clock(step, "update"):
         policy.model.train()
         losses, grad_norms, clip_stats, kl_values, skipped = [], [], [], [], 0
@@ -240,6 +269,11 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                 for micro, prompt in _with_shared_prompts(policy.model, batch, _pieces(step, mini, cfg)):
                     logits, span = piece_logits(policy.model, batch, micro, forward=prompt.logits)
                     logp = piece_logprobs(logits, batch, micro, span, batch.temperature)
+                    if fused:  # these weights are pi_old: record it (and the bounds, the TIS weights) from here
+                        with torch.no_grad():
+                            _dense_outputs(step, micro, span, logits, logp)
+                            step.weights[micro] = tis_weights(step.logp_old[micro], batch.rollout_logprobs[micro],
+                                                              grpo.tis_mode, grpo.tis_cap)
                     loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
                                               batch.mask[micro], weights=step.weights[micro],
                                               clip_low=grpo.clip_low, clip_high=grpo.clip_high,
@@ -268,6 +302,8 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                 grad_norms.append(norm)
         policy.model.eval()
         _check_parameters(policy.model, number)
+    if fused:
+        step.bounds = step.bounds[batch.mask.bool()]
     n = max(len(clip_stats), 1)
     step.update = {
         "loss": sum(losses) / len(losses) if losses else float("nan"),

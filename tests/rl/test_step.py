@@ -187,6 +187,46 @@ def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
     assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*weights))
 
 
+@pytest.mark.parametrize("monitor", ["bounds", "exact"])
+def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_the_recompute(monkeypatch, monitor):
+    """One optimizer step per GRPO step: pi_old, the TIS weights and the acceptance bounds come from the update's own
+    forward, and the recompute runs only the monitored rows (none without the exact monitor): the same loss, IS
+    ratios, bounds, exact acceptance and new weights as with the recompute, one dense forward fewer per row."""
+    import sparrow.rl.step as step_module
+
+    prompts, metrics, weights = [], [], []
+    real = step_module.piece_prompt
+    monkeypatch.setattr(step_module, "piece_prompt", lambda model, batch, piece: prompts.append(len(piece)) or
+                        real(model, batch, piece))
+    for fused in (True, False):
+        monkeypatch.setattr(step_module, "old_policy_from_update", lambda policy, cfg, fused=fused: fused)
+        policy, backend = _setup()
+        prompts.clear()
+        cfg = _cfg(mini_batches=1, monitor=monitor, monitor_share=0.5, log_prob_micro_batch_size=4)
+        metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(48), cfg, seed=0))
+        weights.append([p.detach().clone() for p in policy.model.parameters()])
+        # prompt forwards: the update's, one per group; the recompute's, one per group it runs (monitored: the first)
+        recomputed = 2 if not fused else (1 if monitor == "exact" else 0)
+        assert prompts == [4] * recomputed + [3, 3], (fused, prompts)
+    assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6
+    keys = ["mismatch/acceptance_lower/p5", "mismatch/acceptance_lower/mean", "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"]
+    keys += ["mismatch/exact/p5", "mismatch/exact/mean"] if monitor == "exact" else []
+    for key in keys:
+        assert abs(metrics[0][key] - metrics[1][key]) < 1e-5, key
+    assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*weights))
+
+
+def test_several_mini_batches_or_an_adapter_keep_the_recompute():
+    from sparrow.rl.step import old_policy_from_update
+
+    policy, _ = _setup()
+    assert old_policy_from_update(policy, _cfg(mini_batches=1))
+    assert not old_policy_from_update(policy, _cfg(mini_batches=2))  # later mini-batches run updated weights
+    policy.distiller = object()
+    assert not old_policy_from_update(policy, _cfg(mini_batches=1))
+
+
 def test_kl_to_a_reference_adds_to_the_loss_and_is_zero_against_itself():
     policy, backend = _setup()
     cfg = _cfg(micro_batch_size=8, mini_batches=1, kl_coef=0.5)
