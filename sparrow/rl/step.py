@@ -10,8 +10,8 @@ completions; `score` runs the reward functions; `advantages` normalizes them per
 name); `recompute` runs the dense policy over the rollouts (pi_old, the top-K acceptance bounds, the exact
 acceptance of a share of the groups, the KL reference, the TIS weights); `update` takes the clipped-PPO steps
 (and DistillSparse's adapter step); the backend then gets the new weights. With one optimizer step per GRPO step
-the update's own forward gives pi_old, the bounds and the TIS weights, and the recompute runs only the monitored
-rows (`old_policy_from_update`).
+the update's own forward gives pi_old, the bounds, the TIS weights and the monitor's dense side, and the recompute
+runs no forward (`old_policy_from_update`).
 The dense policy's log-probs are computed with the model's own attention (no Sparrow context: dense).
 """
 
@@ -84,6 +84,7 @@ class StepBatch:
     update: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     dense_rewards: list[float] | None = None  # the reward check's dense samples, on check steps only
+    monitor: Monitor | None = None  # the monitored rows and what they measured, until recorded in exact/measured
 
 
 class _Clock:
@@ -160,12 +161,50 @@ def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) ->
     return set(range(math.ceil(mon.monitor_share * len(step.examples)) * cfg.grpo.num_generations))
 
 
+@dataclass
+class Monitor:
+    """The exact monitor of one step: its rows, and per row and position the acceptance their sparse teacher-forced
+    forward had against the dense logits (`exact`, and `extra` per `measure` schedule; NaN where not measured)."""
+
+    rows: set[int]
+    exact: torch.Tensor
+    extra: dict[str, torch.Tensor]
+    seconds: float = 0.0
+
+    def measure(self, policy: Policy, step: StepBatch, cfg: StepConfig, piece: torch.Tensor,
+                dense_logits: torch.Tensor, prompt) -> None:
+        """A piece's acceptance against `dense_logits`, if its rows are monitored; `prompt`: a SharedPrompt of the
+        same weights (the sparse actor's prefill is dense), or None for a prefill of its own (an adapter's)."""
+        if int(piece[0]) not in self.rows:
+            return
+        began, batch = time.perf_counter(), step.batch
+        with torch.no_grad():
+            for name, schedule in [(None, step.schedule), *step.measure.items()]:
+                alpha = piece_acceptance(policy.model, batch, piece, schedule, cfg.sparse, batch.temperature,
+                                         dense_logits=dense_logits, prompt=prompt)
+                (self.exact if name is None else self.extra[name])[piece] = alpha
+        self.seconds += time.perf_counter() - began
+
+    def record(self, step: StepBatch, cfg: StepConfig) -> None:
+        """Into the step: the measured tokens' acceptance and positions, and the monitor's time. Exact mode's rows
+        all carry the acceptance their drafts had while decoding."""
+        batch, exact, rows = step.batch, self.exact, self.rows
+        if cfg.draft_tokens is not None:
+            exact, rows = free_monitor(step.completions, batch.mask), set(range(len(step.completions)))
+        if rows:
+            measured = batch.mask.bool() & ~exact.isnan()
+            step.exact, step.exact_at = exact[measured], batch.positions[measured]
+            step.measured = {name: values[measured] for name, values in self.extra.items()}
+            step.timing["time/monitor_s"] = self.seconds
+
+
 def old_policy_from_update(policy: Policy, cfg: StepConfig) -> bool:
     """Whether pi_old comes from the update's own forward instead of a recompute. With one optimizer step per GRPO
     step the update's forwards all run the weights the rollouts' recompute would (the optimizer steps after the
     last micro-batch), so pi_old is their log-prob, detached, and the PPO ratio is 1 (TRL does the same with one
-    iteration). That saves a dense forward over every rollout, a sixth of a long-answer step. Not with several
-    mini-batches (later ones run updated weights) or DistillSparse (its adapter step reads the recompute)."""
+    iteration); the monitor compares its sparse forwards with these same dense logits. That saves a dense forward
+    over every rollout, a sixth of a long-answer step. Not with several mini-batches (later ones run updated
+    weights) or DistillSparse (its adapter step reads the recompute)."""
     return cfg.grpo.mini_batches == 1 and policy.distiller is None
 
 
@@ -188,45 +227,24 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
     the monitored rows (their sparse teacher-forced forward against these very dense logits), the KL reference's
     log-probs and the TIS weights. Rows run in shared-prompt pieces, so each prompt is computed once per piece, and
     the monitor's sparse forwards reuse it (the prefill is dense) unless a DistillSparse adapter changes it.
-    When the update gives pi_old (`old_policy_from_update`), only the monitored rows run here, for the monitor; the
-    update then records pi_old, the bounds and the TIS weights of every row."""
+    When the update gives pi_old (`old_policy_from_update`), no row runs here: the update records pi_old, the
+    bounds, the TIS weights and the monitor from its own forward."""
     clock = time.perf_counter()
     batch = step.batch = RolloutBatch.from_completions(step.completions, pad_id=policy.pad_id).to(policy.device)
     step.advantages = step.advantages.to(policy.device)
-    temperature = batch.temperature
     step.logp_old = torch.zeros_like(batch.rollout_logprobs)
     step.bounds = torch.zeros(*batch.mask.shape, 2, device=batch.mask.device)
-    exact = torch.full_like(batch.mask, float("nan"))
-    extra = {name: torch.full_like(batch.mask, float("nan")) for name in step.measure}
-    monitored = _monitored(policy, step, cfg, number)
-    rows = torch.arange(batch.input_ids.shape[0])
+    rows = _monitored(policy, step, cfg, number) if cfg.draft_tokens is None else set()
+    step.monitor = Monitor(rows, torch.full_like(batch.mask, float("nan")),
+                           {name: torch.full_like(batch.mask, float("nan")) for name in step.measure})
     fused = old_policy_from_update(policy, cfg)
-    if fused:
-        rows = rows[sorted(monitored)] if monitored and cfg.draft_tokens is None else rows[:0]
-    monitor_s = 0.0
-    for piece in _pieces(step, rows, cfg, grad=False) if len(rows) else []:
+    for piece in [] if fused else _pieces(step, torch.arange(batch.input_ids.shape[0]), cfg, grad=False):
         with torch.no_grad(), policy.dense():
             prompt = piece_prompt(policy.model, batch, piece)
             logits, span = piece_logits(policy.model, batch, piece, prompt.logits)
-            _dense_outputs(step, piece, span, logits, piece_logprobs(logits, batch, piece, span, temperature))
-        shared = prompt if policy.distiller is None else None  # an adapter's sparse actor has a prefill of its own
-        if monitored and int(piece[0]) in monitored and cfg.draft_tokens is None:
-            began = time.perf_counter()
-            exact[piece] = piece_acceptance(policy.model, batch, piece, step.schedule, cfg.sparse, temperature,
-                                            dense_logits=logits, prompt=shared)
-            for name, schedule in step.measure.items():
-                extra[name][piece] = piece_acceptance(policy.model, batch, piece, schedule, cfg.sparse, temperature,
-                                                      dense_logits=logits, prompt=shared)
-            monitor_s += time.perf_counter() - began
-    valid = batch.mask.bool()
-    if cfg.draft_tokens is not None:  # exact mode: every drafted token's alpha was recorded while decoding, in every row
-        exact = free_monitor(step.completions, batch.mask)
-        monitored = set(range(len(step.completions)))
-    if monitored:
-        measured = valid & ~exact.isnan()
-        step.exact, step.exact_at = exact[measured], batch.positions[measured]
-        step.measured = {name: values[measured] for name, values in extra.items()}
-        step.timing["time/monitor_s"] = monitor_s
+            _dense_outputs(step, piece, span, logits, piece_logprobs(logits, batch, piece, span, batch.temperature))
+        # an adapter's sparse actor has a prefill of its own
+        step.monitor.measure(policy, step, cfg, piece, logits, prompt if policy.distiller is None else None)
     if cfg.grpo.kl_coef > 0:
         if policy.reference is None:
             raise SparrowError("kl_coef > 0 needs a reference model")
@@ -234,11 +252,12 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
         with torch.no_grad():
             for piece in _pieces(step, torch.arange(len(step.completions)), cfg, grad=False):
                 ref_logits, span = piece_logits(policy.reference, batch, piece)
-                step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, temperature)
+                step.logp_ref[piece] = piece_logprobs(ref_logits, batch, piece, span, batch.temperature)
     if not fused:
         step.weights = tis_weights(step.logp_old, batch.rollout_logprobs, cfg.grpo.tis_mode, cfg.grpo.tis_cap)
-        step.bounds = step.bounds[valid]
-    step.timing["time/recompute_s"] = time.perf_counter() - clock - monitor_s
+        step.bounds = step.bounds[batch.mask.bool()]
+        step.monitor.record(step, cfg)
+    step.timing["time/recompute_s"] = time.perf_counter() - clock - step.monitor.seconds
 
 
 def free_monitor(completions, mask: torch.Tensor) -> torch.Tensor:
@@ -269,11 +288,12 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
                 for micro, prompt in _with_shared_prompts(policy.model, batch, _pieces(step, mini, cfg)):
                     logits, span = piece_logits(policy.model, batch, micro, forward=prompt.logits)
                     logp = piece_logprobs(logits, batch, micro, span, batch.temperature)
-                    if fused:  # these weights are pi_old: record it (and the bounds, the TIS weights) from here
+                    if fused:  # these weights are pi_old: record it, the bounds, the TIS weights, the monitor
                         with torch.no_grad():
                             _dense_outputs(step, micro, span, logits, logp)
                             step.weights[micro] = tis_weights(step.logp_old[micro], batch.rollout_logprobs[micro],
                                                               grpo.tis_mode, grpo.tis_cap)
+                        step.monitor.measure(policy, step, cfg, micro, logits.detach(), prompt)
                     loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
                                               batch.mask[micro], weights=step.weights[micro],
                                               clip_low=grpo.clip_low, clip_high=grpo.clip_high,
@@ -304,6 +324,8 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
         _check_parameters(policy.model, number)
     if fused:
         step.bounds = step.bounds[batch.mask.bool()]
+        step.monitor.record(step, cfg)
+        step.timing["time/update_s"] -= step.monitor.seconds
     n = max(len(clip_stats), 1)
     step.update = {
         "loss": sum(losses) / len(losses) if losses else float("nan"),

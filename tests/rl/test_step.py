@@ -74,14 +74,15 @@ def test_the_step_runs_on_any_backend_and_syncs_it_after_the_update():
     assert sum(per_prompt) / 2 == pytest.approx(metrics["reward/mean"])
 
 
-def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_by_the_bounds():
+@pytest.mark.parametrize("mini_batches", [2, 1])  # 1: the monitor's dense logits are the update's own forward
+def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_by_the_bounds(mini_batches):
     policy, native = _setup()
     completions = native.generate([ex.prompt for ex in EXAMPLES], SamplingParams(max_new_tokens=12, seed=0),
                                   const(48), 4)
     alphas = teacher_forced_acceptance(policy.model, completions, const(48), native.engine.sparse, 1.0)
     expected = torch.tensor([a for row in alphas for a in row], dtype=torch.float64)
-    metrics = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48), _cfg(bin_size=4096),
-                        seed=0)
+    metrics = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
+                        _cfg(bin_size=4096, mini_batches=mini_batches), seed=0)
     assert metrics["mismatch/exact/tokens"] == expected.numel()
     assert metrics["mismatch/exact/mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
     assert metrics["mismatch/exact/p5"] == pytest.approx(float(torch.quantile(expected, 0.05)), abs=1e-6)
@@ -91,7 +92,7 @@ def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_b
     low, high = metrics["mismatch/bin_0/exact_p5_low"], metrics["mismatch/bin_0/exact_p5_high"]
     assert low <= metrics["mismatch/exact/p5"] <= high
     half = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
-                     _cfg(bin_size=4096, monitor_share=0.5), seed=0)
+                     _cfg(bin_size=4096, monitor_share=0.5, mini_batches=mini_batches), seed=0)
     assert half["mismatch/exact/tokens"] == sum(len(c.token_ids) for c in completions[:4])
     bounds_only = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
                             _cfg(monitor="bounds"), seed=0)
@@ -177,10 +178,10 @@ def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
         policy, backend = _setup()
         sizes.clear()
         metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(64),
-                                 _cfg(micro_batch_size=2, mini_batches=1, log_prob_micro_batch_size=log_prob,
-                                      monitor="exact"), seed=0))
+                                 _cfg(micro_batch_size=2, mini_batches=2, log_prob_micro_batch_size=log_prob,
+                                      monitor="exact"), seed=0))  # 2 mini-batches: the recompute runs
         weights.append([p.detach().clone() for p in policy.model.parameters()])
-        assert sizes == [log_prob or 2, 2]  # recompute (and monitor) pieces, then the update's
+        assert sizes == [log_prob or 2, 2, 2]  # recompute (and monitor) pieces, then each mini-batch's
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6
     for key in ("mismatch/exact/p5", "mismatch/exact/mean", "sampling/importance_sampling_ratio/mean"):
         assert abs(metrics[0][key] - metrics[1][key]) < 1e-5, key
@@ -189,9 +190,9 @@ def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
 
 @pytest.mark.parametrize("monitor", ["bounds", "exact"])
 def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_the_recompute(monkeypatch, monitor):
-    """One optimizer step per GRPO step: pi_old, the TIS weights and the acceptance bounds come from the update's own
-    forward, and the recompute runs only the monitored rows (none without the exact monitor): the same loss, IS
-    ratios, bounds, exact acceptance and new weights as with the recompute, one dense forward fewer per row."""
+    """One optimizer step per GRPO step: pi_old, the TIS weights, the acceptance bounds and the monitor's dense
+    logits come from the update's own forward, and the recompute runs none: the same loss, IS ratios, bounds, exact
+    acceptance and new weights as with the recompute, one dense forward fewer per row."""
     import sparrow.rl.step as step_module
 
     prompts, metrics, weights = [], [], []
@@ -205,8 +206,8 @@ def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_t
         cfg = _cfg(mini_batches=1, monitor=monitor, monitor_share=0.5, log_prob_micro_batch_size=4)
         metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(48), cfg, seed=0))
         weights.append([p.detach().clone() for p in policy.model.parameters()])
-        # prompt forwards: the update's, one per group; the recompute's, one per group it runs (monitored: the first)
-        recomputed = 2 if not fused else (1 if monitor == "exact" else 0)
+        # prompt forwards: the update's, one per group, which the monitor reuses; the recompute's, one per group
+        recomputed = 0 if fused else 2
         assert prompts == [4] * recomputed + [3, 3], (fused, prompts)
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6
     keys = ["mismatch/acceptance_lower/p5", "mismatch/acceptance_lower/mean", "sampling/importance_sampling_ratio/min",
