@@ -188,8 +188,9 @@ def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
     assert all(torch.allclose(a, b, atol=3e-5) for a, b in zip(*weights))
 
 
-@pytest.mark.parametrize("monitor", ["bounds", "exact"])
-def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_the_recompute(monkeypatch, monitor):
+@pytest.mark.parametrize("monitor, checkpointing", [("bounds", False), ("exact", False), ("exact", True)])
+def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_the_recompute(monkeypatch, monitor,
+                                                                                           checkpointing):
     """One optimizer step per GRPO step: pi_old, the TIS weights, the acceptance bounds and the monitor's dense
     logits come from the update's own forward, and the recompute runs none: the same loss, IS ratios, bounds, exact
     acceptance and new weights as with the recompute, one dense forward fewer per row."""
@@ -203,7 +204,8 @@ def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_t
         monkeypatch.setattr(step_module, "old_policy_from_update", lambda policy, cfg, fused=fused: fused)
         policy, backend = _setup()
         prompts.clear()
-        cfg = _cfg(mini_batches=1, monitor=monitor, monitor_share=0.5, log_prob_micro_batch_size=4)
+        cfg = _cfg(mini_batches=1, monitor=monitor, monitor_share=0.5, log_prob_micro_batch_size=4,
+                   gradient_checkpointing=checkpointing)
         metrics.append(grpo_step(policy, backend, EXAMPLES, BYTES, const(48), cfg, seed=0))
         weights.append([p.detach().clone() for p in policy.model.parameters()])
         # prompt forwards: the update's, one per group, which the monitor reuses; the recompute's, one per group
