@@ -21,6 +21,7 @@ from sparrow.schedules import parse_schedule, write_schedule_json
 from sparrow.typed_config import check_finite, option
 
 from .config import add_config_options, load_config
+from .cost import whole_bytes
 from .profile import format_retention
 
 
@@ -82,7 +83,7 @@ def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
         raise SparrowError(f"{config.profile} names no model: the cost model needs its shape")
     hw = hardware(config.hardware, config.peak_flops, config.bandwidth, config.step_overhead)
     rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples, page_size,
-                            bytes_per_param=config.param_bytes, bytes_per_kv=config.kv_bytes)
+                            bytes_per_param=whole_bytes(config.param_bytes), bytes_per_kv=whole_bytes(config.kv_bytes))
     print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha in the profile, an estimate "
           "of the coupled acceptance):")
     print(f"{'schedule':<22} {'alpha':>6} {'K':>3} {'tokens/verify':>14} {'exact/dense':>12} {'sparse/dense':>13}")
@@ -124,7 +125,8 @@ def run(args) -> int:
         prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
         gen_len = meta.get("sampling", {}).get("max_new_tokens", 1)
         result = compare(model_dims(meta["model"]), hw, schedule, prompt_len, gen_len, config.samples,
-                         page_size=page_size, bytes_per_param=config.param_bytes, bytes_per_kv=config.kv_bytes)
+                         page_size=page_size, bytes_per_param=whole_bytes(config.param_bytes),
+                         bytes_per_kv=whole_bytes(config.kv_bytes))
         print(f"predicted speedup on {hw.name} (cost model, {prompt_len}-token prompts, {gen_len} generated, "
               f"{config.samples} samples): {result['predicted_speedup']:.2f}x")
     return 0

@@ -110,7 +110,7 @@ class CostConfig:
         return hardware(self.hardware, self.peak_flops, self.bandwidth, self.step_overhead)
 
 
-def _whole(value: float) -> float | int:
+def whole_bytes(value: float) -> float | int:
     """An integral byte size as an int, so byte and FLOP counts stay exact integers."""
     return int(value) if float(value).is_integer() else value
 
@@ -121,7 +121,7 @@ def evaluate(config: CostConfig) -> dict:
     hw = config.hw()
     schedule, sparse = config.parsed_schedule, config.sparse.config()
     options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": sparse.landmark,
-               "bytes_per_param": _whole(config.param_bytes), "bytes_per_kv": _whole(config.kv_bytes)}
+               "bytes_per_param": whole_bytes(config.param_bytes), "bytes_per_kv": whole_bytes(config.kv_bytes)}
     trajectory = (dims, hw, schedule, config.prompt_len, config.gen_len, config.samples)
     result = compare(*trajectory, page_size=sparse.page_size, **options)
     rows = []
