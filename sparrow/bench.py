@@ -19,6 +19,7 @@ from sparrow.attention.interface import base_model
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine.sampling import sample
 from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import best_draft_tokens, compare, exact_decode
 from sparrow.schedules import DENSE, Schedule
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0, num_logprobs=20)
@@ -318,3 +319,21 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
         tokens_per_verify=mean["tokens_per_verify"], coupled_acceptance=mean["coupled_acceptance"],
         mean_alpha=mean["mean_alpha"], identical_sequences=identical, sequences=batch * repeats,
         prompt_tokens=len(prompt), prefill_s=prefill_s)
+
+
+def predicted_steps(dims, hw, schedule: Schedule, context: int, steps: int, batch: int, measured: dict[str, float],
+                    exact: tuple[float, int] | None = None, **options) -> dict[str, dict[str, float]]:
+    """The cost model's mean decode step beside the measured one (milliseconds, all rows) for each configuration
+    in `measured` (name -> measured seconds per step: dense, sparse, and exact with `exact` = (coupled acceptance,
+    draft tokens, 0 for the model's best)) over the timed trajectory: `steps` steps from `context` cached tokens,
+    `batch` rows. Measured minus predicted is the host time per step the model leaves out (`--step-overhead`)."""
+    trajectory = (dims, hw, schedule, context, steps, batch)
+    result = compare(*trajectory, **options)
+    predicted = {"dense": result["dense_step_s"], "sparse": result["sparse_step_s"]}
+    if exact is not None:
+        acceptance, draft_tokens = exact
+        run = (exact_decode(*trajectory, acceptance, draft_tokens, **options) if draft_tokens
+               else best_draft_tokens(*trajectory, acceptance=acceptance, **options))
+        predicted["exact"] = predicted["dense"] / run["exact_over_dense"]
+    return {name: {"predicted_ms": 1e3 * predicted[name], "measured_ms": 1e3 * seconds,
+                   "residual_ms": 1e3 * (seconds - predicted[name])} for name, seconds in measured.items()}

@@ -12,6 +12,7 @@ from sparrow.bench import (
     cache_tokens,
     check_kv_cache_fits,
     machine_info,
+    predicted_steps,
     run_benchmark,
     run_exact_benchmark,
     run_vllm_benchmark,
@@ -19,9 +20,9 @@ from sparrow.bench import (
 from sparrow.engine import RolloutEngine
 from sparrow.engine.sampling import EXACT_RULES
 from sparrow.errors import SparrowError
-from sparrow.model_shapes import model_config
+from sparrow.model_shapes import model_config, model_dims
 from sparrow.models import MODEL_NAMES, resolve_dtype
-from sparrow.options import AdaptedModelSection, ScheduledSparseSection, check_exact_rule_mode
+from sparrow.options import AdaptedModelSection, MachineSection, ScheduledSparseSection, check_exact_rule_mode
 from sparrow.rollout.factory import check_backend
 from sparrow.typed_config import check_int, option, section, to_nested
 
@@ -47,6 +48,11 @@ class BenchConfig:
                          "the plugin's dense overhead")
     block_size: int = option(0, "with --backend vllm: the plugin's KV block size on CPU (0: its default, one "
                              "16-token page per block; 128: stock vLLM's)")
+    machine: MachineSection = section(MachineSection, param_bytes=4, kv_bytes=4)
+    predict: bool = option(False, "also print the cost model's mean decode step beside each measured one, for the "
+                           "machine of --hardware (on a CPU: cpu with --peak-flops and --bandwidth; bytes per weight "
+                           "and K/V element: 4 for float32); measured minus predicted is the host time per step "
+                           "that --step-overhead prices")
     exact_rule: str = option("coupled", "with --rollout-mode exact: how drafts are judged (coupled: dense sampling's "
                              "own tokens; residual: speculative sampling's rejection rule)")
 
@@ -80,10 +86,37 @@ class BenchConfig:
             raise SparrowError(f"--backend vllm times decode beyond a 1-token call: steps must be >= 2, got {self.steps}")
         if self.sparse.parsed_schedule.is_dense:
             raise SparrowError("bench compares dense with a sparse schedule; give --schedule other than 'dense'")
+        if self.predict:
+            self._check_predict()
         model = self.model
         if model.name in MODEL_NAMES or (Path(model.name).expanduser() / "config.json").is_file():  # else at load
             check_kv_cache_fits(model_config(model.name), resolve_dtype(model.dtype), model.torch_device(),
                                 self.batch, cache_tokens(self.context, self.warmup, self.steps))
+
+    def _check_predict(self) -> None:
+        self.machine.validate()
+        model_dims(self.model.name)
+        on_cpu = self.model.torch_device().type == "cpu"
+        if on_cpu != (self.machine.hardware.strip().lower() == "cpu"):
+            raise SparrowError(f"--predict prices the machine bench runs on ({'a CPU' if on_cpu else 'a GPU'}), not "
+                               f"--hardware {self.machine.hardware!r}: give "
+                               + ("--hardware cpu --peak-flops FLOP/S --bandwidth BYTES/S" if on_cpu
+                                  else "a GPU preset (h100, h200, b200, a100)"))
+
+
+def _predicted(config: BenchConfig, measured: dict[str, float], exact: tuple[float, int] | None = None) -> dict:
+    """`predicted_steps` for this run's trajectory and machine; `measured`: seconds per decode step by name."""
+    sparse = config.sparse.config()
+    return predicted_steps(model_dims(config.model.name), config.machine.spec(), config.sparse.parsed_schedule,
+                           config.context, config.steps, config.batch, measured, exact, page_size=sparse.page_size,
+                           dense_layers=len(set(sparse.dense_layers)), landmark=sparse.landmark,
+                           **config.machine.byte_sizes())
+
+
+def _print_predicted(predicted: dict, hardware: str) -> None:
+    print(f"cost model ({hardware}), ms per step predicted / measured (measured - predicted): " + "; ".join(
+        f"{name} {p['predicted_ms']:.1f} / {p['measured_ms']:.1f} ({p['residual_ms']:+.1f})"
+        for name, p in predicted.items()))
 
 
 def run(args) -> int:
@@ -98,6 +131,9 @@ def run(args) -> int:
                            config.warmup, config.repeats, config.hf, config.seed, log=log)
     record = {**dataclasses.asdict(result), "config": to_nested(config),
               "machine": machine_info(engine.device), "date": datetime.date.today().isoformat()}
+    if config.predict:
+        record["predicted"] = _predicted(config, {"dense": config.batch / result.dense_tokens_per_s,
+                                                  "sparse": config.batch / result.sparse_tokens_per_s})
     if config.backend == "vllm":
         del engine, model
         record["vllm"] = _vllm_results(config, tokenizer, stock, log)
@@ -110,6 +146,8 @@ def run(args) -> int:
             v = record["vllm"]
             print(f"vLLM sparse / vLLM dense: {v['sparse_over_dense']:.2f}x", end="")
             print(f"   vLLM dense (plugin) / stock vLLM: {v['dense_over_stock']:.2f}x" if stock else "")
+        if config.predict:
+            _print_predicted(record["predicted"], config.machine.hardware)
     return 0
 
 
@@ -120,6 +158,11 @@ def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
                                  exact_rule=config.exact_rule)
     record = {**dataclasses.asdict(result), "config": to_nested(config), "machine": machine_info(engine.device),
               "date": datetime.date.today().isoformat()}
+    if config.predict:
+        rates = {"dense": result.dense_tokens_per_s, "sparse": result.sparse_tokens_per_s,
+                 "exact": result.exact_tokens_per_s}
+        record["predicted"] = _predicted(config, {name: config.batch / rate for name, rate in rates.items()},
+                                         (result.coupled_acceptance, config.sparse.draft_tokens))
     if config.json:
         print(json.dumps(record))
     else:
@@ -127,6 +170,8 @@ def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
                 if config.exact_rule == "coupled" else "   (residual rule: the dense distribution, not its tokens)")
         print(f"sparse / dense: {result.sparse_over_dense:.2f}x   exact / dense: {result.exact_over_dense:.2f}x "
               f"({result.tokens_per_verify:.2f} tokens per verification){same}")
+        if config.predict:
+            _print_predicted(record["predicted"], config.machine.hardware)
     return 0
 
 

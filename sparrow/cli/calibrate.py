@@ -14,14 +14,14 @@ from sparrow.measure.calibration import (
     profile_retention,
     retention_floor,
 )
-from sparrow.measure.cost_model import compare, hardware
+from sparrow.measure.cost_model import compare
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import parse_schedule, write_schedule_json
-from sparrow.typed_config import check_finite, option
+from sparrow.options import MachineSection
+from sparrow.typed_config import option, section
 
 from .config import add_config_options, load_config
-from .cost import whole_bytes
 from .profile import format_retention
 
 
@@ -32,13 +32,7 @@ class CalibrateConfig:
     margin: float = option(0.0, "extra headroom above tau against measurement noise")
     min_tokens: int = option(50, "tokens a bin needs before its percentile is trusted")
     out: str = option("schedule.json", "schedule file to write (JSON; any command's --schedule accepts it)")
-    hardware: str = option("h200", "cost-model hardware for the predicted speedup: h100, h200, b200, a100 or cpu")
-    peak_flops: float | None = option(None, "peak FLOP/s (required for cpu)")
-    bandwidth: float | None = option(None, "memory bandwidth in bytes/s (required for cpu)")
-    step_overhead: float = option(0.0, "host seconds per forward pass besides its FLOPs and bytes (sparrow cost "
-                                       "--help; docs/cost-model.md)")
-    param_bytes: float = option(2, "bytes per weight, for the cost model (4 for float32, as on CPU)")
-    kv_bytes: float = option(2, "bytes per cached K/V element, for the cost model (4 for float32)")
+    machine: MachineSection = section(MachineSection)
     samples: int = option(8, "samples per prompt assumed by the predicted speedup")
     rollout_mode: str = option("sparse", "sparse: the cheapest schedule holding tau; exact: the schedule and draft "
                                "length the cost model predicts fastest in exact mode (the budget then sets speed only)")
@@ -53,9 +47,7 @@ class CalibrateConfig:
         check_output(self.out, "output file", directory=False)
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
-        hardware(self.hardware, self.peak_flops, self.bandwidth, self.step_overhead)
-        for name in ("param_bytes", "kv_bytes"):
-            check_finite(name, getattr(self, name), 0, 64, low_open=True)
+        self.machine.validate()
         if self.rollout_mode not in ("sparse", "exact"):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
         if self.rollout_mode == "exact" and self.min_retention is not None:
@@ -81,9 +73,9 @@ def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
     meta = profile.get("meta", {})
     if "model" not in meta:
         raise SparrowError(f"{config.profile} names no model: the cost model needs its shape")
-    hw = hardware(config.hardware, config.peak_flops, config.bandwidth, config.step_overhead)
+    hw = config.machine.spec()
     rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples, page_size,
-                            bytes_per_param=whole_bytes(config.param_bytes), bytes_per_kv=whole_bytes(config.kv_bytes))
+                            **config.machine.byte_sizes())
     print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha in the profile, an estimate "
           "of the coupled acceptance):")
     print(f"{'schedule':<22} {'alpha':>6} {'K':>3} {'tokens/verify':>14} {'exact/dense':>12} {'sparse/dense':>13}")
@@ -121,12 +113,11 @@ def run(args) -> int:
     write_schedule_json(schedule, config.out, page_size)
     print(f"wrote {config.out}")
     if schedule.budgets and "model" in meta:
-        hw = hardware(config.hardware, config.peak_flops, config.bandwidth, config.step_overhead)
+        hw = config.machine.spec()
         prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
         gen_len = meta.get("sampling", {}).get("max_new_tokens", 1)
         result = compare(model_dims(meta["model"]), hw, schedule, prompt_len, gen_len, config.samples,
-                         page_size=page_size, bytes_per_param=whole_bytes(config.param_bytes),
-                         bytes_per_kv=whole_bytes(config.kv_bytes))
+                         page_size=page_size, **config.machine.byte_sizes())
         print(f"predicted speedup on {hw.name} (cost model, {prompt_len}-token prompts, {gen_len} generated, "
               f"{config.samples} samples): {result['predicted_speedup']:.2f}x")
     return 0

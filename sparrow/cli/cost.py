@@ -14,11 +14,10 @@ from sparrow.measure.cost_model import (
     compare,
     equal_cost_constant,
     exact_decode,
-    hardware,
     paper_cost,
 )
 from sparrow.model_shapes import model_dims
-from sparrow.options import SparseSection
+from sparrow.options import MachineSection, SparseSection
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
 
@@ -46,17 +45,10 @@ class CostConfig:
     prompt_lens: str | None = option(None, "comma-separated prompt lengths of a mixed-length task: also find the "
                                            "constant budget whose predicted cost over one trajectory per length equals "
                                            "the schedule's")
-    hardware: str = option("h200", "h100, h200, b200, a100, or cpu (needs --peak-flops and --bandwidth)")
-    peak_flops: float | None = option(None, "peak dense FLOP/s (overrides the preset)")
-    bandwidth: float | None = option(None, "memory bandwidth in bytes/s (overrides the preset)")
-    step_overhead: float = option(0.0, "host seconds per forward pass besides its FLOPs and bytes (Python, "
-                                       "launches, sampling): 0 on GPUs; on a CPU, bench's measured step time minus "
-                                       "the predicted one (docs/cost-model.md)")
+    machine: MachineSection = section(MachineSection)
     sparse: SparseSection = section(SparseSection)
     page_sizes: str | None = option(None, "comma-separated page sizes to compare at the same token budgets, e.g. "
                                           "16,32,64,128")
-    kv_bytes: float = option(2, "bytes per cached K/V element")
-    param_bytes: float = option(2, "bytes per weight")
     acceptance: float | None = option(None, "exact mode: the per-token acceptance of the schedule's drafts (a "
                                             "profile's mean alpha, or bench's coupled acceptance); adds exact "
                                             "mode's predicted decode speedup")
@@ -74,7 +66,7 @@ class CostConfig:
             raise SparrowError("schedule 'dense' leaves nothing to compare; give a sparse --schedule")
         self.page_size_list()
         self.prompt_len_list()
-        self.hw()
+        self.machine.validate()
         if self.acceptance is not None:
             check_finite("acceptance", self.acceptance, 0, 1)
         check_int("draft_tokens", self.draft_tokens, 0)
@@ -106,22 +98,14 @@ class CostConfig:
             raise SparrowError(f"dense_layers {bad} out of range for a model with {layers} layers")
         return len(indices)
 
-    def hw(self):
-        return hardware(self.hardware, self.peak_flops, self.bandwidth, self.step_overhead)
-
-
-def whole_bytes(value: float) -> float | int:
-    """An integral byte size as an int, so byte and FLOP counts stay exact integers."""
-    return int(value) if float(value).is_integer() else value
-
 
 def evaluate(config: CostConfig) -> dict:
     """The whole report as a dict (what --json prints)."""
     dims = model_dims(config.model)
-    hw = config.hw()
+    hw = config.machine.spec()
     schedule, sparse = config.parsed_schedule, config.sparse.config()
     options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": sparse.landmark,
-               "bytes_per_param": whole_bytes(config.param_bytes), "bytes_per_kv": whole_bytes(config.kv_bytes)}
+               **config.machine.byte_sizes()}
     trajectory = (dims, hw, schedule, config.prompt_len, config.gen_len, config.samples)
     result = compare(*trajectory, page_size=sparse.page_size, **options)
     rows = []

@@ -42,7 +42,8 @@ def _rollout_breakdown(runs: dict[str, list[dict]]) -> list[str]:
               if all(_is_number(r.get(f"time/rollout_{p}_s")) for r in rows for p in ROLLOUT_PHASES)}
     if not logged:
         return []
-    lines = ["", "Where the rollout time goes (median seconds per step; the monitor runs in the recompute phase):", "",
+    lines = ["", "Where the rollout time goes (median seconds per step; the monitor is timed apart from the recompute or "
+             "update it runs in):", "",
              "| run | " + " | ".join(f"{p} s" for p in ROLLOUT_PHASES) + " | other rollout s | monitor s |",
              "|---|" + "---|" * (len(ROLLOUT_PHASES) + 2)]
     for name, rows in logged.items():

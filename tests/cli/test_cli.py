@@ -57,6 +57,11 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
      "--exact-rule residual judges exact mode's drafts: it needs --rollout-mode exact"),
     (["bench", "--model", "tiny-llama", "--rollout-mode", "exact", "--exact-rule", "best"],
      "--exact-rule 'best': expected one of coupled, residual"),
+    (["bench", "--model", "tiny-llama", "--device", "cpu", "--predict"],
+     "--predict prices the machine bench runs on (a CPU), not --hardware 'h200': give --hardware cpu"),
+    (["bench", "--model", "tiny-llama", "--predict", "--hardware", "cpu", "--peak-flops", "1e11"],
+     "hardware 'cpu' has no published numbers: give --bandwidth"),
+    (["cost", "--schedule", "const:1024", "--kv-bytes", "0"], "kv_bytes must be a finite number > 0 and <= 64, got 0"),
 ])
 def test_bad_input_gives_one_clear_error(argv, message, capsys):
     assert main(argv) == 2
@@ -91,6 +96,45 @@ def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
     assert result["identical_sequences"] == result["sequences"] == 4  # the dense policy's own tokens
     assert 1 <= result["tokens_per_verify"] <= 4 and 0 < result["coupled_acceptance"] <= 1
     assert result["prompt_tokens"] == 200
+
+
+@pytest.mark.parametrize("mode", ["sparse", "exact"])
+def test_bench_predicts_each_step_it_measures_with_the_cost_model(mode, capsys):
+    from sparrow.measure.cost_model import compare, exact_decode, hardware
+    from sparrow.model_shapes import model_dims
+    from sparrow.schedules import parse_schedule
+
+    machine = ["--hardware", "cpu", "--peak-flops", "1e11", "--bandwidth", "2e10", "--step-overhead", "0.001"]
+    exact = ["--rollout-mode", "exact", "--draft-tokens", "3"] if mode == "exact" else []
+    code = main(["bench", "--model", "tiny-llama", "--context", "200", "--batch", "2", "--steps", "6", "--repeats", "1",
+                 "--warmup", "1", "--schedule", "const:48", "--no-hf", "--predict", "--json", *machine, *exact])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    predicted = result["predicted"]
+    assert set(predicted) == ({"dense", "sparse", "exact"} if exact else {"dense", "sparse"})
+    hw, dims = hardware("cpu", 1e11, 2e10, 0.001), model_dims("tiny-llama")
+    trajectory = (dims, hw, parse_schedule("const:48"), 200, 6, 2)
+    model = compare(*trajectory, bytes_per_param=4, bytes_per_kv=4)
+    want = {"dense": model["dense_step_s"], "sparse": model["sparse_step_s"]}
+    if exact:
+        ratio = exact_decode(*trajectory, result["coupled_acceptance"], 3, bytes_per_param=4,
+                             bytes_per_kv=4)["exact_over_dense"]
+        want["exact"] = want["dense"] / ratio
+    for name, step in predicted.items():
+        assert step["predicted_ms"] == pytest.approx(1e3 * want[name])
+        assert step["measured_ms"] == pytest.approx(1e3 * 2 / result[f"{name}_tokens_per_s"])  # 2 rows a step
+        assert step["residual_ms"] == pytest.approx(step["measured_ms"] - step["predicted_ms"])
+    assert want["dense"] > want["sparse"] > 0.001  # the step overhead is in both
+
+
+def test_bench_prints_the_predicted_steps_beside_the_measured_ones(capsys):
+    code = main(["bench", "--model", "tiny-llama", "--context", "200", "--batch", "2", "--steps", "3", "--repeats", "1",
+                 "--warmup", "1", "--schedule", "const:48", "--no-hf", "--predict", "--hardware", "cpu",
+                 "--peak-flops", "1e11", "--bandwidth", "2e10"])
+    assert code == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("cost model (cpu), ms per step predicted / measured (measured - predicted): dense ")
+    assert "; sparse " in line
 
 
 def test_bench_times_the_residual_rule_when_asked(capsys, monkeypatch):

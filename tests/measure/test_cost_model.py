@@ -280,6 +280,27 @@ def test_cli_reads_a_local_config_directory(tmp_path, capsys):
     assert code == 0 and "40 ms per forward pass" in out and f"mean decode step: dense {dense_ms:.3g} ms" in out
 
 
+def test_cli_takes_the_machine_as_a_yaml_section_or_flat(tmp_path, capsys):
+    """cost, calibrate and bench share one machine section: nested or flat YAML and the flags give one report."""
+    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested.write_text("schedule: const:1024\nmachine: {hardware: cpu, peak_flops: 1.0e+12, bandwidth: 5.0e+10, "
+                      "step_overhead: 0.01, kv_bytes: 4}\n")
+    flat.write_text("schedule: const:1024\nhardware: cpu\npeak_flops: 1.0e+12\nbandwidth: 5.0e+10\n"
+                    "step_overhead: 0.01\nkv_bytes: 4\n")
+    flags = ["--schedule", "const:1024", "--hardware", "cpu", "--peak-flops", "1e12", "--bandwidth", "5e10",
+             "--step-overhead", "0.01", "--kv-bytes", "4"]
+    reports = []
+    for argv in (["--config", str(nested)], ["--config", str(flat)], flags):
+        code, out, _ = _run([*argv, "--json"], capsys)
+        assert code == 0
+        reports.append(json.loads(out))
+    assert reports[0] == reports[1] == reports[2]
+    assert reports[0]["hardware"] == {"name": "cpu", "peak_flops": 1e12, "bandwidth": 5e10, "intensity": 20.0,
+                                      "step_overhead": 0.01}
+    code, out, _ = _run(flags[:-2] + ["--json"], capsys)  # kv_bytes 2: half the cache bytes
+    assert json.loads(out)["dense"]["decode"]["kv_bytes"] * 2 == reports[0]["dense"]["decode"]["kv_bytes"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "smollm2-135m", "--schedule", "const:512", "--hardware", "cpu"], "--peak-flops and --bandwidth"),
     (["--model", "nope", "--schedule", "const:512"], "unknown model 'nope'"),
