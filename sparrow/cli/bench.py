@@ -22,11 +22,12 @@ from sparrow.engine.sampling import EXACT_RULES
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_config, model_dims
 from sparrow.models import MODEL_NAMES, resolve_dtype
-from sparrow.options import AdaptedModelSection, MachineSection, ScheduledSparseSection, check_exact_rule_mode
+from sparrow.options import AdaptedModelSection, ScheduledSparseSection, check_exact_rule_mode
 from sparrow.rollout.factory import check_backend
 from sparrow.typed_config import check_int, option, section, to_nested
 
 from .config import add_config_options, load_config
+from .machine import MachineSection
 from .progress import phase_log
 
 

@@ -18,10 +18,10 @@ from sparrow.measure.cost_model import compare
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
 from sparrow.schedules import parse_schedule, write_schedule_json
-from sparrow.options import MachineSection
 from sparrow.typed_config import option, section
 
 from .config import add_config_options, load_config
+from .machine import MachineSection
 from .profile import format_retention
 
 

@@ -17,11 +17,12 @@ from sparrow.measure.cost_model import (
     paper_cost,
 )
 from sparrow.model_shapes import model_dims
-from sparrow.options import MachineSection, SparseSection
+from sparrow.options import SparseSection
 from sparrow.schedules import Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
 
 from .config import add_config_options, load_config
+from .machine import MachineSection
 
 
 def _integers(name: str, text) -> list[int]:
