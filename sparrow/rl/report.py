@@ -110,12 +110,14 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def _throughput(rows: list[dict]) -> float:
-    """Rollout tokens per rollout second over the whole run (total over total: long steps weigh more, and a run
-    whose answers got shorter is not credited for it, unlike a ratio of median rollout times)."""
-    tokens = sum(r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in rows
-                 if _is_number(r.get("rollout/tokens_per_s")) and _is_number(r.get("time/rollout_s")))
-    seconds = sum(r["time/rollout_s"] for r in rows if _is_number(r.get("time/rollout_s")))
+def _throughput(rows: list[dict], seconds_key: str = "time/rollout_s") -> float:
+    """Rollout tokens per rollout second over the whole run, or per second of `seconds_key` (time/step_s: of whole
+    steps). Total over total: long steps weigh more, and a run whose answers got shorter is not credited for it,
+    unlike a ratio of median times."""
+    timed = [r for r in rows if _is_number(r.get("rollout/tokens_per_s")) and _is_number(r.get("time/rollout_s"))
+             and _is_number(r.get(seconds_key))]
+    tokens = sum(r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in timed)
+    seconds = sum(r[seconds_key] for r in timed)
     return tokens / seconds if seconds else float("nan")
 
 
@@ -356,12 +358,13 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     first = next(iter(runs))
     base_rollout = _median(runs[first], "time/rollout_s")
     base_step = _median(runs[first], "time/step_s")
-    base_throughput = _throughput(runs[first])
-    lines = ["# Training report", "", f"Median seconds per step by phase; rollout and step speed relative to `{first}`.",
-             "", "| run | steps | reward first -> last | mean length | "
+    base_throughput, base_step_throughput = _throughput(runs[first]), _throughput(runs[first], "time/step_s")
+    lines = ["# Training report", "", f"Median seconds per step by phase; rollout and step speed relative to `{first}`; "
+             "throughput: generated tokens over the whole run's rollout (or step) seconds, so shorter answers earn "
+             "nothing.", "", "| run | steps | reward first -> last | mean length | "
              + " | ".join(f"{p} s" for p in PHASES) + f" | step s | step speed vs {first} | rollout tokens/s | "
-             f"rollout speed vs {first} | rollout throughput vs {first} |",
-             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|"]
+             f"rollout speed vs {first} | rollout throughput vs {first} | step throughput vs {first} |",
+             "|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|"]
     for name, rows in runs.items():
         lengths = [r.get("completions/mean_length", 0.0) for r in rows]
         lines.append(f"| {name} | {len(rows)} | {rows[0]['reward/mean']:.3f} -> {rows[-1]['reward/mean']:.3f} | "
@@ -370,7 +373,8 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
                      + f" | {_median(rows, 'time/step_s'):.2f} | {_ratio(base_step, _median(rows, 'time/step_s')):.2f}x"
                      + f" | {_median(rows, 'rollout/tokens_per_s'):.1f} | "
                      f"{_ratio(base_rollout, _median(rows, 'time/rollout_s')):.2f}x | "
-                     f"{_ratio(_throughput(rows), base_throughput):.2f}x |")
+                     f"{_ratio(_throughput(rows), base_throughput):.2f}x | "
+                     f"{_ratio(_throughput(rows, 'time/step_s'), base_step_throughput):.2f}x |")
     lines += _rollout_breakdown(runs)
     lines += _exact_rollouts(runs)
     if evals:

@@ -23,6 +23,8 @@ def _row(step, reward, rollout_s, tokens):
 def test_throughput_is_total_tokens_over_total_rollout_seconds():
     rows = [_row(1, 0.1, 10.0, 100), _row(2, 0.2, 30.0, 500)]
     assert _throughput(rows) == pytest.approx(600 / 40)  # not the median of 10 and 16.7 tokens/s
+    rows[1]["time/step_s"] = 90.0
+    assert _throughput(rows, "time/step_s") == pytest.approx(600 / 110)  # per whole-step second
     assert _rollout_clock(rows) == {0: 0.0, 1: 10.0, 2: 40.0}
 
 
@@ -36,7 +38,8 @@ def test_the_report_pairs_held_out_prompts_and_plots_reward_against_rollout_time
                                             "eval/mean_high": 0.9, "eval/per_example_mean": sparse_means}])
     text = write_report([tmp_path / "dense", tmp_path / "sparse"], tmp_path / "r").read_text()
     sparse_row = next(line for line in text.splitlines() if line.startswith("| sparse |"))
-    assert sparse_row.endswith("| 2.00x | 1.50x |")  # rollout time 20/10 s; throughput (600/20) / (800/40)
+    # rollout time 20/10 s; rollout throughput (600/20) / (800/40); step throughput (600/40) / (800/80)
+    assert sparse_row.endswith("| 2.00x | 1.50x | 1.50x |")
     assert "- sparse: step 0 0.500 -> step 2 0.550 [0.200, 0.900]" in text
     diffs = [s - d for s, d in zip(sparse_means, dense_means)]
     low, high = stats.t.interval(0.95, 3, loc=sum(diffs) / 4, scale=stats.sem(diffs))

@@ -161,8 +161,8 @@ def test_report_compares_runs_with_plots(data, tmp_path):
     assert rows["sparse"][0].endswith("| 1.00x |") and "rollout speed vs sparse" in text  # the first run is the base
     assert re.search(r"\| \d+\.\d\dx \|$", rows["dense"][0])
     assert "| 1.00x | " in rows["sparse"][0] and "step speed vs sparse" in text
-    # step speed, rollout tokens/s, rollout speed, rollout throughput
-    assert re.search(r"\| \d+\.\d\dx \| \d+\.\d \| \d+\.\d\dx \| \d+\.\d\dx \|$", rows["dense"][0])
+    # step speed, rollout tokens/s, rollout speed, rollout throughput, step throughput
+    assert re.search(r"\| \d+\.\d\dx \| \d+\.\d \| \d+\.\d\dx \| \d+\.\d\dx \| \d+\.\d\dx \|$", rows["dense"][0])
     assert (tmp_path / "r" / "reward-vs-rollout-time.png").stat().st_size > 1000
     assert "Where the rollout time goes" in text  # prefill, decode, sample, other, monitor (dense runs none)
     assert re.fullmatch(r"\| sparse( \| -?\d+\.\d\d){5} \|", rows["sparse"][1])
