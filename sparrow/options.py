@@ -285,4 +285,3 @@ class DataSection(RewardSection):
                 raise SparrowError(f"reward {needs[0]!r} compares with each row's {self.answer_field!r}, but "
                                    f"{len(missing)} row(s) of {name} {path!r} have none (first: row {missing[0]}); "
                                    "give --answer-field or another --reward")
-
