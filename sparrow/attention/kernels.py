@@ -121,19 +121,20 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     marks = landmark.build(key[:, :, : full * ps].reshape(batch, kv_heads, full, ps, dim))
     num_pages = -(-length // ps)
     marks = [F.pad(m, (0, 0, 0, num_pages - full)) for m in marks]
+    budget = torch.where(position[None, :] < prompt_lengths[:, None], (position + ps) // ps, budget_pages)  # [B, Tq]
+    if landmark.compiled and cpu_kernel.usable(query) and not (torch.is_grad_enabled() and query.requires_grad):
+        return _teacher_forced_kernel(query, key, value, marks, budget, offset, sparse, scaling)
     queries = query.view(batch, kv_heads, group, q_len, dim)
-    in_prompt = position[None, :] < prompt_lengths[:, None]  # [B, Tq]
     outputs = []
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         pos = position[start:end]
         stop = offset + end  # keys up to the chunk's last position
         n_pages = (pos + ps) // ps  # pages holding t+1 tokens
-        budget = torch.where(in_prompt[:, start:end], n_pages, budget_pages[:, start:end])  # [B, Tc]
         q_chunk = queries[:, :, :, start:end]
         used = int(n_pages.max())
         scores = landmark.score(q_chunk.transpose(2, 3), *[m[:, :, :used] for m in marks])  # [B, Hkv, Tc, P]
-        pages, valid = select_pages(scores, n_pages.view(1, 1, -1), budget[:, None, :],
+        pages, valid = select_pages(scores, n_pages.view(1, 1, -1), budget[:, None, start:end],
                                     sparse.sink_pages, sparse.recent_pages)
         page_mask = torch.zeros(scores.shape, dtype=torch.bool, device=query.device)
         page_mask.scatter_(-1, pages, valid)
@@ -148,3 +149,35 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
         )
         outputs.append(out.view(batch, kv_heads, group, tc, dim).reshape(batch, q_heads, tc, dim))
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def _teacher_forced_kernel(query, key, value, marks, budget, offset: int, sparse: SparseConfig, scaling: float,
+                           chunk: int = 1024):
+    """`teacher_forced_attention` through the compiled decode kernel (no gradients): every position is one decode
+    step of its own, reading the row's pages in place through a page table (the vLLM-layout reader), so each
+    query scores and attends only the pages it selects, as the rollout's decode did."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    ps, num_pages = sparse.page_size, marks[0].shape[2]
+    pad = num_pages * ps - length
+    keys = F.pad(key, (0, 0, 0, pad)).view(batch, kv_heads, num_pages, ps, dim).permute(0, 2, 1, 4, 3)
+    values = F.pad(value, (0, 0, 0, pad)).view(batch, kv_heads, num_pages, ps, dim).transpose(1, 2)
+    cache = torch.cat([keys.reshape(batch, num_pages, kv_heads, ps * dim),
+                       values.reshape(batch, num_pages, kv_heads, ps * dim)], dim=-1)
+    cache = cache.view(batch * num_pages, kv_heads, ps, 2 * dim)
+    paged_marks = [m.transpose(1, 2).reshape(batch * num_pages, kv_heads, dim).contiguous() for m in marks]
+    queries = query.transpose(1, 2).reshape(batch, q_len, kv_heads, q_heads // kv_heads, dim)
+    first_page = (torch.arange(batch, device=query.device) * num_pages).view(batch, 1, 1)
+    outputs = []
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len)
+        total = torch.arange(offset + start + 1, offset + end + 1, device=query.device)  # t + 1 cached tokens
+        n_pages = ((total + ps - 1) // ps).expand(batch, -1)
+        pages = (first_page + torch.arange(int(n_pages.max()), device=query.device)).expand(-1, end - start, -1)
+        out = cpu_kernel.paged_sparse_decode(
+            queries[:, start:end].reshape(-1, kv_heads, q_heads // kv_heads, dim), cache,
+            pages.reshape(-1, pages.shape[-1]),
+            paged_marks, n_pages.reshape(-1), budget[:, start:end].reshape(-1), total.expand(batch, -1).reshape(-1),
+            sparse, scaling)
+        outputs.append(out.view(batch, end - start, q_heads, dim))
+    return torch.cat(outputs, dim=1)

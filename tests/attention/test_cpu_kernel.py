@@ -177,6 +177,34 @@ def test_the_span_step_is_causal_attention_over_each_rows_cache(dim, page, group
             assert torch.allclose(got[r, :, row], want, atol=1e-5), (r, row)
 
 
+@pytest.mark.parametrize("landmark", LANDMARKS)
+@pytest.mark.parametrize("dim, page, group, offset", [(64, 16, 3, 0), (24, 4, 2, 37), (64, 16, 5, 100)])
+def test_teacher_forcing_through_the_kernel_equals_the_masked_pytorch_path(landmark, dim, page, group, offset,
+                                                                         monkeypatch):
+    """Every position one decode step through the page-table reader: the same pages and outputs as the masked
+    SDPA path, prompt positions dense, with the first `offset` positions given only as keys (a shared prompt)."""
+    from sparrow.attention.kernels import teacher_forced_attention
+
+    if cpu_kernel.load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    torch.manual_seed(1)
+    sparse = SparseConfig(page_size=page, landmark=landmark, dense_layers=[])
+    rows, kv_heads, length = 3, 2, 230
+    query = torch.randn(rows, kv_heads * group, length - offset, dim)
+    key, value = torch.randn(rows, kv_heads, length, dim), torch.randn(rows, kv_heads, length, dim)
+    budget = torch.randint(3, 9, (rows, length - offset))
+    prompts = torch.tensor([offset + 20, 120, 0])
+    calls, kernel = [], cpu_kernel.paged_sparse_decode
+    monkeypatch.setattr(cpu_kernel, "paged_sparse_decode", lambda *args: calls.append(1) or kernel(*args))
+    outputs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SPARROW_CPU_KERNEL", flag)
+        outputs[flag] = teacher_forced_attention(query, key, value, 3, sparse, budget, prompts, 0.2, chunk=64)
+        assert bool(calls) == (flag == "1")
+    assert outputs["1"].shape == (rows, length - offset, kv_heads * group, dim)
+    assert (outputs["1"] - outputs["0"]).abs().max() <= 1e-5
+
+
 def test_a_build_from_another_checkouts_sources_is_announced_as_a_build(tmp_path):
     assert cpu_kernel.needs_build(tmp_path)  # nothing built
     (tmp_path / "kernel.so").write_bytes(b"\x7fELF")
