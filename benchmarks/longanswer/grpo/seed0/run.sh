@@ -12,3 +12,6 @@ E="--data /tmp/seed1/heldout.jsonl --k 2 --max-new-tokens 1400 --temperature 1 -
 .venv/bin/sparrow eval --model /tmp/seed0/dense/checkpoint-6 $E > heldout-eval-dense.json
 .venv/bin/sparrow eval --model /tmp/seed0/sparse/checkpoint-6 $E > heldout-eval-sparse.json
 .venv/bin/sparrow report /tmp/seed0/dense /tmp/seed0/sparse --out /tmp/seed0
+# Exact mode, the same seed, 2 steps (95371d6; drafts at 0:1024, K 4): tokens, rewards and losses equal the dense run's.
+.venv/bin/sparrow train --config examples/smollm2-longanswer.yaml --data /tmp/demo-long/train.jsonl --seed 0 \
+    --rollout-mode exact --schedule 0:1024 --draft-tokens 4 --output-dir /tmp/exact0
