@@ -121,16 +121,17 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     marks = landmark.build(key[:, :, : full * ps].reshape(batch, kv_heads, full, ps, dim))
     num_pages = -(-length // ps)
     marks = [F.pad(m, (0, 0, 0, num_pages - full)) for m in marks]
-    budget = torch.where(position[None, :] < prompt_lengths[:, None], (position + ps) // ps, budget_pages)  # [B, Tq]
+    pages_held = (position + ps) // ps  # [Tq]: pages holding position t's t+1 tokens
+    budget = torch.where(position[None, :] < prompt_lengths[:, None], pages_held, budget_pages)  # [B, Tq]
     if landmark.compiled and cpu_kernel.usable(query) and not (torch.is_grad_enabled() and query.requires_grad):
-        return _teacher_forced_kernel(query, key, value, marks, budget, offset, sparse, scaling)
+        return _teacher_forced_kernel(query, key, value, marks, position, pages_held, budget, sparse, scaling)
     queries = query.view(batch, kv_heads, group, q_len, dim)
     outputs = []
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         pos = position[start:end]
         stop = offset + end  # keys up to the chunk's last position
-        n_pages = (pos + ps) // ps  # pages holding t+1 tokens
+        n_pages = pages_held[start:end]
         q_chunk = queries[:, :, :, start:end]
         used = int(n_pages.max())
         scores = landmark.score(q_chunk.transpose(2, 3), *[m[:, :, :used] for m in marks])  # [B, Hkv, Tc, P]
@@ -151,8 +152,8 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
-def _teacher_forced_kernel(query, key, value, marks, budget, offset: int, sparse: SparseConfig, scaling: float,
-                           chunk: int = 1024):
+def _teacher_forced_kernel(query, key, value, marks, position, pages_held, budget, sparse: SparseConfig,
+                           scaling: float, chunk: int = 1024):
     """`teacher_forced_attention` through the compiled decode kernel (no gradients): every position is one decode
     step of its own, reading the row's pages in place through a page table (the vLLM-layout reader), so each
     query scores and attends only the pages it selects, as the rollout's decode did."""
@@ -171,13 +172,12 @@ def _teacher_forced_kernel(query, key, value, marks, budget, offset: int, sparse
     outputs = []
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
-        total = torch.arange(offset + start + 1, offset + end + 1, device=query.device)  # t + 1 cached tokens
-        n_pages = ((total + ps - 1) // ps).expand(batch, -1)
+        total = (position[start:end] + 1).expand(batch, -1)  # t + 1 cached tokens
+        n_pages = pages_held[start:end].expand(batch, -1)
         pages = (first_page + torch.arange(int(n_pages.max()), device=query.device)).expand(-1, end - start, -1)
         out = cpu_kernel.paged_sparse_decode(
             queries[:, start:end].reshape(-1, kv_heads, q_heads // kv_heads, dim), cache,
-            pages.reshape(-1, pages.shape[-1]),
-            paged_marks, n_pages.reshape(-1), budget[:, start:end].reshape(-1), total.expand(batch, -1).reshape(-1),
-            sparse, scaling)
+            pages.reshape(-1, pages.shape[-1]), paged_marks, n_pages.reshape(-1), budget[:, start:end].reshape(-1),
+            total.reshape(-1), sparse, scaling)
         outputs.append(out.view(batch, end - start, q_heads, dim))
     return torch.cat(outputs, dim=1)
