@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from sparrow.attention import SparseConfig, cpu_kernel
-    from sparrow.bench import machine_info
+    from sparrow.bench import cpu_flags, machine_info
 
     if cpu_kernel.load() is None:
         raise SystemExit("the compiled CPU kernel cannot be built here")
@@ -60,8 +60,8 @@ def main() -> None:
                                                           scale))
     sparse_ms = median_ms(lambda: cpu_kernel.sparse_decode(one, keys, values, marks, n_pages, budget, total, sparse,
                                                            scale))
-    flags = sorted({f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx2", "avx512f", "amx"))})
-    common = {"context": args.context, "batch": args.batch, "cpu_flags": flags, "machine": machine_info(torch.device("cpu"))}
+    common = {"context": args.context, "batch": args.batch, "cpu_flags": cpu_flags(("avx2", "avx512f", "amx")),
+              "machine": machine_info(torch.device("cpu"))}
     print(json.dumps({"call": "dense decode", "step_ms": round(layers * dense_ms, 1), **common}))
     print(json.dumps({"call": f"sparse decode at {args.budget}",
                       "step_ms": round((layers - dense_layers) * sparse_ms + dense_layers * dense_ms, 1), **common}))

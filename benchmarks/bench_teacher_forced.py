@@ -30,6 +30,7 @@ def main() -> None:
     import sparrow.attention.interface as interface
     from sparrow.attention import cpu_kernel
     from sparrow.attention.teacher_forced import sparse_completion_logits
+    from sparrow.bench import cpu_flags, machine_info
     from sparrow.models import load_model
     from sparrow.schedules import parse_schedule
 
@@ -62,10 +63,9 @@ def main() -> None:
                 logprobs[path] = torch.log_softmax(logits.float(), -1)
                 print(json.dumps({"path": path, "seconds": round(seconds, 1), "attention_s": round(attention[0], 1)}),
                       flush=True)
-    flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()
-                    if f.startswith(("avx", "amx", "fma"))})
     diff = float((logprobs["kernel"] - logprobs["masked SDPA"]).abs().max())
-    print(json.dumps({"max_logprob_difference": diff, "cpu_flags": flags}))
+    print(json.dumps({"max_logprob_difference": diff, "cpu_flags": cpu_flags(("avx", "amx", "fma")),
+                      "machine": machine_info(torch.device("cpu"))}))
 
 
 if __name__ == "__main__":

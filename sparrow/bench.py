@@ -12,6 +12,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -154,6 +155,17 @@ def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch
         dense_over_hf=rates["dense"] / hf_rate if hf_rate else None, prefill_s=prefill_s,
         kv_bytes_per_step=kv_bytes_per_step(engine, schedule, context, batch),
     )
+
+
+def cpu_flags(prefixes: tuple[str, ...]) -> list[str]:
+    """This CPU's feature flags that start with one of `prefixes` (e.g. ("avx", "amx")), sorted: the first CPU's
+    `flags` line of /proc/cpuinfo; empty where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    line = next((row for row in lines if row.startswith("flags")), "")
+    return sorted({flag for flag in line.partition(":")[2].split() if flag.startswith(prefixes)})
 
 
 def machine_info(device: torch.device) -> dict:
