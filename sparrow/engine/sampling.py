@@ -176,11 +176,41 @@ def truncate(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
         allowed = allowed.masked_fill(allowed < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = allowed.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
-        allowed = allowed.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        allowed = nucleus(allowed, params.top_p)
     return allowed
+
+
+NUCLEUS_CANDIDATES = 256
+"""Tokens ranked per row before top-p looks for its nucleus; only rows whose nucleus is larger rank the whole
+vocabulary (sorting every row's 49K logits was most of a sampled step's time)."""
+
+
+def nucleus(allowed: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`allowed` [B, V] with the tokens outside the top-p nucleus set to -inf. Ranked by logit, a token is kept
+    while the probability of the tokens ranked before it (of the distribution over `allowed`) is at most top_p:
+    the smallest prefix reaching top_p. The same tokens whether a row is decided among the candidates or sorted."""
+    log_norm = allowed.logsumexp(dim=-1, keepdim=True)
+    ranked, order = allowed.topk(min(NUCLEUS_CANDIDATES, allowed.shape[-1]), dim=-1)
+    drop = _past_nucleus(ranked, log_norm, top_p)
+    out = _only(allowed, order, ranked.masked_fill(drop, float("-inf")))
+    if ranked.shape[-1] < allowed.shape[-1]:
+        wide = (~drop[:, -1]).nonzero()[:, 0]  # rows whose last candidate is still inside the nucleus
+        if len(wide):
+            ranked, order = allowed[wide].sort(dim=-1, descending=True)
+            drop = _past_nucleus(ranked, log_norm[wide], top_p)
+            out[wide] = _only(allowed[wide], order, ranked.masked_fill(drop, float("-inf")))
+    return out
+
+
+def _past_nucleus(ranked: torch.Tensor, log_norm: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Per ranked logit (descending), whether the probability ranked before it exceeds top_p."""
+    probs = (ranked - log_norm).exp()
+    return probs.cumsum(dim=-1) - probs > top_p
+
+
+def _only(like: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped as `like`, -inf except `values` at `index` along the last dim."""
+    return torch.full_like(like, float("-inf")).scatter(-1, index, values)
 
 
 def all_finite(values: torch.Tensor) -> torch.Tensor:

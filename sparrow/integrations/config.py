@@ -23,7 +23,7 @@ class SparrowConfig:
       calibrated schedule file (`sparrow calibrate`), `dense`, or `adaptive` (budgets per length bin move to the
       cheapest rung whose exact p5 holds tau, from `adaptive_start`; sparrow/rl/adaptive.py).
     tau, bin_size: the stability threshold of each length bin's 5th percentile of acceptance, and the bins.
-    monitor_share, monitor_every: the share of each process's rollouts (whole prompt groups first) teacher-forced
+    monitor_share, monitor_every: the share of each process's rollouts (the first rows) teacher-forced
       for the exact tail, on every `monitor_every`-th generation batch.
     schedule_file: the file the vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@schedule_file`); default
       `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.

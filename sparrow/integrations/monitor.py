@@ -11,7 +11,6 @@ rank); `verdict` words the metrics and warnings exactly as `sparrow train` does 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 import torch
@@ -58,11 +57,6 @@ def rollout_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     zeros = torch.zeros(rows, width - 1)
     return RolloutBatch(ids, prompt_lengths, mask, zeros, zeros.long()[..., None], zeros[..., None], zeros.long(),
                         positions)
-
-
-def monitored_rows(rows: int, share: float) -> int:
-    """How many of a process's `rows` rollouts are measured: the first ceil(share * rows)."""
-    return min(rows, math.ceil(share * rows))
 
 
 @contextlib.contextmanager

@@ -38,10 +38,11 @@ from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
 from sparrow.errors import SparrowError
+from sparrow.rl.step import monitored_rows
 from sparrow.vllm.env import FOLLOW, environment_for
 
 from .config import SparrowConfig
-from .monitor import gather_rows, measure, monitored_rows, rollout_batch, verdict
+from .monitor import gather_rows, measure, rollout_batch, verdict
 from .schedule_file import RunTimeSchedule, SparseCoverage
 
 __all__ = ["SparrowConfig", "SparrowGRPOTrainer"]

@@ -30,7 +30,8 @@ def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: 
                      prompt: SharedPrompt | None = None) -> torch.Tensor:
     """Exact acceptance [len(piece), T-1] of one shared-prompt piece (0 where `mask` is 0).
 
-    `dense_logits` (the dense forward of the same piece, e.g. the trainer's recompute) saves a forward; `prompt`
+    `dense_logits` (the dense forward of the same rows, e.g. the trainer's recompute, possibly over a longer span
+    when they are some rows of a larger piece) saves a forward; `prompt`
     (the `SharedPrompt` of that forward, when the sparse actor has the same weights: no adapter, or the same one on
     in both) saves the sparse forward's prompt. Without `dense_logits`, both forwards run here and share the prompt
     unless an adapter makes the sparse actor's prefill differ from the dense policy's."""
@@ -43,6 +44,7 @@ def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: 
                 prompt = None
         actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=sparse, prompt=prompt)
         sparse_logits, span = piece_logits(model, batch, piece, actor)
+        dense_logits = dense_logits[:, :sparse_logits.shape[1]]  # both spans start at the prompt's end
     valid = batch.mask[piece, span].bool()
     out = torch.zeros(len(piece), batch.mask.shape[1], device=batch.mask.device)
     window = out[:, span]

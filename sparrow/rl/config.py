@@ -145,7 +145,7 @@ class GRPOSection:
 @dataclass
 class MonitorSection:
     """How the acceptance tail of the rollouts is watched. `exact`: every `monitor_every`-th step, the rollouts of
-    a `monitor_share` of the groups are teacher-forced through the sparse actor and compared with the dense
+    a `monitor_share` of the rollouts (the first rows) are teacher-forced through the sparse actor and compared with the dense
     recompute's full distributions; `bounds`: top-K log-prob bounds only (no extra forward). The reward check:
     every `reward_check_every`-th step (0: never) of sparse rollouts, the first `reward_check_samples` samples of
     the first `reward_check_prompts` prompts are also drawn densely with the same seeds and scored, and a
@@ -157,7 +157,8 @@ class MonitorSection:
     monitor: str = option("exact", "acceptance monitor: exact (teacher-forced sparse vs dense, full distributions) "
                           "or bounds (top-K)")
     monitor_every: int = option(1, "exact monitoring every N-th step")
-    monitor_share: float = option(1.0, "share of each step's prompt groups measured exactly (0 < share <= 1)")
+    monitor_share: float = option(1.0, "share of each step's rollouts measured exactly, the first rows "
+                                   "(0 < share <= 1)")
     reward_check_every: int = option(4, "every N-th step of sparse rollouts, also roll out densely a few samples "
                                      "with the same seeds and compare rewards (0: never)")
     reward_check_prompts: int = option(1, "prompts of a step in the reward check")

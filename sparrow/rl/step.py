@@ -152,13 +152,19 @@ def advantages(step: StepBatch, cfg: StepConfig) -> None:
 
 
 def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) -> set[int]:
-    """Rows whose exact acceptance is measured this step: those of the first `monitor_share` of the groups (the
-    prompts are drawn at random, so they are a random share), every `monitor_every`-th step. Dense rollouts of a
-    model without an adapter are the dense policy itself: nothing to measure."""
+    """Rows whose exact acceptance is measured this step: the first `monitor_share` of them (prompts are drawn at
+    random and a group's samples alike, so a random share; a share of a single group is a share of its rows),
+    every `monitor_every`-th step. Dense rollouts of a model without an adapter are the dense policy itself:
+    nothing to measure."""
     mon = cfg.monitor
     if mon.monitor != "exact" or number % mon.monitor_every or (step.schedule.is_dense and policy.distiller is None):
         return set()
-    return set(range(math.ceil(mon.monitor_share * len(step.examples)) * cfg.grpo.num_generations))
+    return set(range(monitored_rows(len(step.completions), mon.monitor_share)))
+
+
+def monitored_rows(rows: int, share: float) -> int:
+    """How many of `rows` rollouts the exact monitor measures: the first ceil(share * rows)."""
+    return min(rows, math.ceil(share * rows))
 
 
 @dataclass
@@ -173,10 +179,13 @@ class Monitor:
 
     def measure(self, policy: Policy, step: StepBatch, cfg: StepConfig, piece: torch.Tensor,
                 dense_logits: torch.Tensor, prompt) -> None:
-        """A piece's acceptance against `dense_logits`, if its rows are monitored; `prompt`: a SharedPrompt of the
-        same weights (the sparse actor's prefill is dense), or None for a prefill of its own (an adapter's)."""
-        if int(piece[0]) not in self.rows:
+        """The acceptance of a piece's monitored rows against `dense_logits` (the piece's); `prompt`: a
+        SharedPrompt of the same weights (the sparse actor's prefill is dense), or None for a prefill of its own
+        (an adapter's)."""
+        chosen = torch.tensor([int(row) in self.rows for row in piece])
+        if not chosen.any():
             return
+        piece, dense_logits = piece[chosen], dense_logits[chosen.to(dense_logits.device)]
         began, batch = time.perf_counter(), step.batch
         with torch.no_grad():
             for name, schedule in [(None, step.schedule), *step.measure.items()]:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.engine.sampling import gumbel_noise, sample
+from sparrow.engine import sampling
+from sparrow.engine.sampling import gumbel_noise, nucleus, sample
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
@@ -57,6 +58,38 @@ def test_sampler_top_p_keeps_the_smallest_prefix_reaching_p():
     step = sample(logits, SamplingParams(num_logprobs=2), torch.zeros(1, 4))
     assert step.top_ids.tolist() == [[0, 1]]
     assert torch.allclose(step.top_logprobs.exp(), torch.tensor([[0.5, 0.3]]))
+
+
+def _nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens the top-p nucleus keeps [B, V], the textbook way: float64, the whole row sorted."""
+    ranked, order = logits.double().sort(dim=-1, descending=True)
+    probs = ranked.softmax(-1)
+    keep = probs.cumsum(-1) - probs <= top_p
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_the_nucleus_is_the_same_whether_found_among_the_candidates_or_by_sorting(top_p, monkeypatch):
+    # peaked rows end their nucleus within the 256 candidates; flat ones (scale 0.3 over 1000 tokens) past them
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g) * torch.tensor([8.0, 0.3, 8.0, 2.0, 0.3, 1.0])[:, None]
+    kept = nucleus(logits, top_p)
+    sizes = torch.isfinite(kept).sum(-1)
+    assert (sizes < sampling.NUCLEUS_CANDIDATES).any() and (sizes > sampling.NUCLEUS_CANDIDATES).any()
+    assert torch.equal(torch.isfinite(kept), _nucleus_by_sorting(logits, top_p))
+    assert torch.equal(kept[torch.isfinite(kept)], logits[torch.isfinite(kept)])
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 1000)  # every row sorted: bit for bit the same
+    assert torch.equal(nucleus(logits, top_p), kept)
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 1)  # every row past its candidates
+    assert torch.equal(nucleus(logits, top_p), kept)
+
+
+def test_top_p_after_top_k_renormalizes_over_the_top_k():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # over the top 2 (0.4, 0.3 -> 4/7, 3/7), top-p 0.5 keeps the first only; over all four it would keep two
+    kept = sampling.truncate(logits, SamplingParams(top_k=2, top_p=0.5))
+    assert torch.isfinite(kept).tolist() == [[True, False, False, False]]
+    assert torch.isfinite(sampling.truncate(logits, SamplingParams(top_p=0.5))).tolist() == [[True, True, False, False]]
 
 
 def test_temperature_scales_the_reported_logprobs():

@@ -9,7 +9,8 @@ from sparrow.attention import SparseConfig
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.integrations.config import SparrowConfig
-from sparrow.integrations.monitor import measure, monitored_rows, rollout_batch, verdict
+from sparrow.integrations.monitor import measure, rollout_batch, verdict
+from sparrow.rl.step import monitored_rows
 from sparrow.integrations.schedule_file import RunTimeSchedule
 from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.measure.tail import bin_tails

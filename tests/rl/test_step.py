@@ -94,6 +94,13 @@ def test_exact_monitoring_equals_teacher_forcing_the_rollouts_and_is_bracketed_b
     half = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
                      _cfg(bin_size=4096, monitor_share=0.5, mini_batches=mini_batches), seed=0)
     assert half["mismatch/exact/tokens"] == sum(len(c.token_ids) for c in completions[:4])
+    # a share of one group is a share of its rows (the first 2 of group 0, inside pieces of 3 or of the group)
+    fresh, _ = _setup()  # the weights `alphas` were measured on (the steps above moved these)
+    quarter = grpo_step(fresh, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
+                        _cfg(bin_size=4096, monitor_share=0.25, mini_batches=mini_batches), seed=0)
+    first_two = torch.tensor([a for row in alphas[:2] for a in row], dtype=torch.float64)
+    assert quarter["mismatch/exact/tokens"] == first_two.numel()
+    assert quarter["mismatch/exact/mean"] == pytest.approx(float(first_two.mean()), abs=1e-6)
     bounds_only = grpo_step(policy, ReplayBackend(completions), EXAMPLES, BYTES, const(48),
                             _cfg(monitor="bounds"), seed=0)
     assert "mismatch/exact/p5" not in bounds_only and "time/monitor_s" not in bounds_only
