@@ -51,13 +51,12 @@ def main() -> None:
             sampling.NUCLEUS_CANDIDATES = ranked or engine.model.config.vocab_size
             sizes.clear()
             completions = engine.generate([prompt], params, DENSE, num_samples=args.rows)
-            steps = args.tokens
-            seconds = sum(engine.timing.values())
+            seconds, per_step = sum(engine.timing.values()), 1e3 / args.tokens
             wide = torch.cat(sizes) > candidates
             tokens.setdefault(setting, [c.token_ids for c in completions])
-            print(json.dumps({"setting": setting, "sample_ms_per_step": round(1e3 * engine.timing["sample"] / steps, 2),
-                              "decode_ms_per_step": round(1e3 * engine.timing["decode"] / steps, 1),
-                              "tokens_per_s": round(args.rows * steps / seconds, 1),
+            print(json.dumps({"setting": setting, "sample_ms_per_step": round(engine.timing["sample"] * per_step, 2),
+                              "decode_ms_per_step": round(engine.timing["decode"] * per_step, 1),
+                              "tokens_per_s": round(args.rows * args.tokens / seconds, 1),
                               "nucleus_past_candidates": round(float(wide.float().mean()), 4)}), flush=True)
     print(json.dumps({"same_tokens": tokens["candidates"] == tokens["full sort"], "candidates": candidates,
                       "cpu_flags": cpu_flags(("avx", "amx", "fma")), "machine": machine_info(torch.device("cpu"))}))

@@ -196,9 +196,10 @@ def nucleus(allowed: torch.Tensor, top_p: float) -> torch.Tensor:
     if ranked.shape[-1] < allowed.shape[-1]:
         wide = (~drop[:, -1]).nonzero()[:, 0]  # rows whose last candidate is still inside the nucleus
         if len(wide):
-            ranked, order = allowed[wide].sort(dim=-1, descending=True)
+            rows = allowed[wide]
+            ranked, order = rows.sort(dim=-1, descending=True)
             drop = _past_nucleus(ranked, log_norm[wide], top_p)
-            out[wide] = _only(allowed[wide], order, ranked.masked_fill(drop, float("-inf")))
+            out[wide] = _only(rows, order, ranked.masked_fill(drop, float("-inf")))
     return out
 
 

@@ -144,9 +144,9 @@ class GRPOSection:
 
 @dataclass
 class MonitorSection:
-    """How the acceptance tail of the rollouts is watched. `exact`: every `monitor_every`-th step, the rollouts of
-    a `monitor_share` of the rollouts (the first rows) are teacher-forced through the sparse actor and compared with the dense
-    recompute's full distributions; `bounds`: top-K log-prob bounds only (no extra forward). The reward check:
+    """How the acceptance tail of the rollouts is watched. `exact`: every `monitor_every`-th step, a
+    `monitor_share` of the rollouts (the first rows) is teacher-forced through the sparse actor and compared with the
+    dense recompute's full distributions; `bounds`: top-K log-prob bounds only (no extra forward). The reward check:
     every `reward_check_every`-th step (0: never) of sparse rollouts, the first `reward_check_samples` samples of
     the first `reward_check_prompts` prompts are also drawn densely with the same seeds and scored, and a
     retention whose interval lies below `min_retention` is warned about."""
