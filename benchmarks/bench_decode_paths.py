@@ -67,7 +67,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in prefill:
                 os.environ["SPARROW_PACKED_LINEAR"] = "0" if name == "mkl" else "1"
-                with engine.linears.packed():
+                with engine.frozen_weights():
                     engine.prefill(cache, prompt[:64], torch.arange(batch))  # untimed: makes the packs
                     began = time.perf_counter()
                     engine.prefill(cache, prompt, torch.arange(batch))

@@ -77,7 +77,7 @@ def check_kv_cache_fits(config, dtype: torch.dtype, device: torch.device, batch:
 
 def time_decode(engine: RolloutEngine, cache, logits, schedule: Schedule, steps: int, warmup: int) -> float:
     """Seconds of `steps` greedy decode steps from `logits` after `warmup` untimed ones (packing happens there)."""
-    with engine.linears.packed():  # as in generate
+    with engine.frozen_weights():  # as in generate
         tokens = sample(logits, GREEDY, None).tokens
         for _ in range(warmup):
             logits, _ = engine.decode_step(cache, tokens, schedule)
@@ -268,7 +268,7 @@ def _time_wave(engine: RolloutEngine, cache, logits, prompt: list[int], sampling
     seqs = [Completion(0, s, prompt, 0, sampling=sampling) for s in range(cache.rows)]
     keys = engine.row_keys(sampling.seed, seqs)
     copy = cache.clone()
-    with engine.linears.packed(), tqdm(disable=True) as bar:
+    with engine.frozen_weights(), tqdm(disable=True) as bar:
         _sync(engine.device)
         start = time.perf_counter()
         engine.decode_wave(copy, seqs, keys, logits, sampling, schedule, bar, draft_tokens)
@@ -296,7 +296,7 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
     _sync(engine.device)
     prefill_s = time.perf_counter() - start
     configs = {"dense": (DENSE, None), "sparse": (schedule, None), "exact": (schedule, draft_tokens)}
-    with engine.linears.packed():  # one packing for every timed wave, made in the warm-up
+    with engine.frozen_weights():  # one packing for every timed wave, made in the warm-up
         warm = SamplingParams(max_new_tokens=4, temperature=temperature, seed=seed, ignore_eos=True,
                               exact_rule=exact_rule)
         log(f"warm-up: {warm.max_new_tokens} tokens x {batch} rows, dense, sparse and exact")

@@ -4,7 +4,8 @@ The n samples of a prompt share one dense prefill whose keys/values are copied i
 runs all live rows together; each row's budget comes from the schedule at its own cached length. Finished rows
 are dropped from the batch so that later steps only pay for live sequences. Beside it: which prompts decode
 together (`waves`), when a sequence ends (`stops`), the sampler (`sampling`), exact mode's loop (`exact`), where
-the time went (`timing`) and the error for non-finite logits (`finite`).
+the time went (`timing`), the error for non-finite logits (`finite`), and the CPU's linear layers (`packed_linear`)
+and decoder layers (`fused_layers`) for the scope of a call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sparrow.schedules import DENSE, Schedule
 from .arguments import check_generate
 from .exact import exact_wave, max_draft
 from .finite import check_logits_finite
+from .fused_layers import FusedLayers
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import SamplingParams, StepSample, gumbel_noise, sample, sequence_key
@@ -64,6 +66,14 @@ class RolloutEngine:
         self.eos_ids = eos_ids(tokenizer, model)
         self.phases = PhaseClock(self.device)
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
+        self.layers = FusedLayers(model)  # decoder layers in a few ops for decode steps, the same span
+
+    @contextlib.contextmanager
+    def frozen_weights(self):
+        """A scope in which the model's weights do not change (one `generate` call, a benchmark's timed steps): its
+        linear layers run packed and its decoder layers fused, from copies made on first use and dropped at the end."""
+        with self.linears.packed(), self.layers.fused():
+            yield
 
     @property
     def timing(self) -> dict[str, float]:
@@ -149,7 +159,7 @@ class RolloutEngine:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(64)
         self.phases.reset()
         results: list[Completion] = []
-        with self.linears.packed(), tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens,
+        with self.frozen_weights(), tqdm(total=len(prompts) * num_samples * sampling.max_new_tokens,
                                          desc="generating", unit="tok", disable=not progress) as bar:
             for wave in plan_waves(encoded, keys, num_samples, self.max_batch_size, sampling):
                 results += self._generate_wave(wave, self.row_keys(seed, wave.seqs), sampling, schedule, bar,
