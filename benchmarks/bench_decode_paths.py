@@ -1,12 +1,13 @@
 """Decode step time of the native engine's code paths, measured alternately in one process: dense attention through
 PyTorch's SDPA or the compiled kernel (SPARROW_CPU_KERNEL), linear layers through MKL or oneDNN-packed weights
-(SPARROW_PACKED_LINEAR), for a dense and a sparse schedule, at one or more (cached tokens, batch) shapes.
+(SPARROW_PACKED_LINEAR), decoder layers as transformers' or fused (SPARROW_FUSED_LAYERS), for a dense and a sparse
+schedule, at one or more (cached tokens, batch) shapes.
 
     .venv/bin/python benchmarks/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
 
 Prints one JSON line per (shape, configuration) with the median ms per step, and the sparse/dense ratio of the
-old paths (SDPA dense, MKL) and of the new (kernel dense, packed) per shape; then the prompt's prefill with MKL and
-with packed weights, alternately.
+old paths (SDPA dense, MKL), of the kernel with packed weights, and of those with fused layers per shape; then the
+prompt's prefill with MKL and with packed weights, alternately.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import os
 import statistics
 import time
 
-# (name, schedule kind, SPARROW_CPU_KERNEL, SPARROW_PACKED_LINEAR); the sparse schedule always takes the kernel
-CONFIGS = [("dense sdpa+mkl", "dense", "0", "0"), ("dense kernel+mkl", "dense", "1", "0"),
-           ("dense kernel+packed", "dense", "1", "1"), ("sparse mkl", "sparse", "1", "0"),
-           ("sparse packed", "sparse", "1", "1")]
+# (name, schedule kind, SPARROW_CPU_KERNEL, SPARROW_PACKED_LINEAR, SPARROW_FUSED_LAYERS); the sparse schedule always
+# takes the kernel, and layers fuse only with packed weights
+CONFIGS = [("dense sdpa+mkl", "dense", "0", "0", "0"), ("dense kernel+mkl", "dense", "1", "0", "0"),
+           ("dense kernel+packed", "dense", "1", "1", "0"), ("dense kernel+packed+fused", "dense", "1", "1", "1"),
+           ("sparse mkl", "sparse", "1", "0", "0"), ("sparse packed", "sparse", "1", "1", "0"),
+           ("sparse packed+fused", "sparse", "1", "1", "1")]
 
 
 def main() -> None:
@@ -50,8 +53,9 @@ def main() -> None:
         logits = engine.prefill(cache, prompt, torch.arange(batch)).expand(batch, -1)
         times = {name: [] for name, *_ in CONFIGS}
         for _ in range(args.repeats):
-            for name, kind, kernel, packed in CONFIGS:
+            for name, kind, kernel, packed, fused in CONFIGS:
                 os.environ["SPARROW_CPU_KERNEL"], os.environ["SPARROW_PACKED_LINEAR"] = kernel, packed
+                os.environ["SPARROW_FUSED_LAYERS"] = fused
                 seconds = time_decode(engine, cache.clone(), logits, schedules[kind], args.steps, 2)
                 times[name].append(1000 * seconds / args.steps)
         ms = {name: statistics.median(t) for name, t in times.items()}
@@ -61,6 +65,10 @@ def main() -> None:
         print(json.dumps({"context": context, "batch": batch,
                           "sparse_over_dense_old": round(ms["dense sdpa+mkl"] / ms["sparse mkl"], 3),
                           "sparse_over_dense_new": round(ms["dense kernel+packed"] / ms["sparse packed"], 3),
+                          "sparse_over_dense_fused": round(ms["dense kernel+packed+fused"] / ms["sparse packed+fused"],
+                                                           3),
+                          "fused_dense_speedup": round(ms["dense kernel+packed"] / ms["dense kernel+packed+fused"], 3),
+                          "fused_sparse_speedup": round(ms["sparse packed"] / ms["sparse packed+fused"], 3),
                           "dense_speedup": round(ms["dense sdpa+mkl"] / ms["dense kernel+packed"], 3),
                           "sparse_speedup": round(ms["sparse mkl"] / ms["sparse packed"], 3)}), flush=True)
         prefill = {"mkl": [], "packed": []}
