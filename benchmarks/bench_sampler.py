@@ -1,13 +1,13 @@
-"""The sampler's top-p nucleus on SmolLM2's own logits: found among the top-ranked candidates (the default,
-`sparrow.engine.sampling.NUCLEUS_CANDIDATES`) against sorting every row's whole vocabulary, alternated in one
-process over the same rollout.
+"""The sampler's top-p draw on SmolLM2's own logits: the nucleus found among the top-ranked candidates with Gumbel
+noise made for them alone (the default, `sparrow.engine.sampling.NUCLEUS_CANDIDATES`), against noise for the whole
+vocabulary, and against sorting every row's whole vocabulary, alternated in one process over the same rollout.
 
     .venv/bin/python benchmarks/bench_sampler.py --context 3400 --tokens 256 --rows 8 --top-p 0.9
 
 Decodes one manifest-task prompt (`sparrow.bench.task_prompt`, real text) densely, `--rows` samples at
 temperature 1 with top-p, once per setting and repeat. Prints one JSON line per run (the engine's sample phase
 per decode step in ms, the whole call's tokens/s, the share of row-steps whose nucleus was larger than the
-candidates) and whether both settings drew the same tokens, with the CPU's vector extensions.
+candidates) and whether the three settings drew the same tokens, with the CPU's vector extensions.
 """
 
 from __future__ import annotations
@@ -36,29 +36,33 @@ def main() -> None:
     engine = RolloutEngine(model, tokenizer)
     prompt = task_prompt(tokenizer, args.context, seed=0)
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, top_p=args.top_p, seed=0, ignore_eos=True)
-    candidates, nucleus = sampling.NUCLEUS_CANDIDATES, sampling.nucleus
-    sizes: list[torch.Tensor] = []
+    candidates, find, noise = sampling.NUCLEUS_CANDIDATES, sampling.nucleus_candidates, engine.noise
+    wide, rows = [], []
 
     def counted(allowed, top_p):
-        out = nucleus(allowed, top_p)
-        sizes.append(torch.isfinite(out).sum(-1))
-        return out
+        found = find(allowed, top_p)
+        wide.append(len(found[2]))
+        rows.append(len(allowed))
+        return found
 
-    sampling.nucleus = counted
+    sampling.nucleus_candidates = counted
+    settings = (("candidates", candidates, False), ("vocabulary noise", candidates, True),
+                ("full sort", engine.model.config.vocab_size, True))
     tokens = {}
     for _ in range(args.repeats):
-        for setting, ranked in (("candidates", candidates), ("full sort", None)):
-            sampling.NUCLEUS_CANDIDATES = ranked or engine.model.config.vocab_size
-            sizes.clear()
+        for setting, ranked, whole in settings:
+            sampling.NUCLEUS_CANDIDATES = ranked
+            engine.noise = (lambda *a, **k: noise(*a, **k).full()) if whole else noise  # numbers for every token
+            wide.clear(), rows.clear()
             completions = engine.generate([prompt], params, DENSE, num_samples=args.rows)
             seconds, per_step = sum(engine.timing.values()), 1e3 / args.tokens
-            wide = torch.cat(sizes) > candidates
             tokens.setdefault(setting, [c.token_ids for c in completions])
             print(json.dumps({"setting": setting, "sample_ms_per_step": round(engine.timing["sample"] * per_step, 2),
                               "decode_ms_per_step": round(engine.timing["decode"] * per_step, 1),
                               "tokens_per_s": round(args.rows * args.tokens / seconds, 1),
-                              "nucleus_past_candidates": round(float(wide.float().mean()), 4)}), flush=True)
-    print(json.dumps({"same_tokens": tokens["candidates"] == tokens["full sort"], "candidates": candidates,
+                              "nucleus_past_candidates": round(sum(wide) / max(sum(rows), 1), 4)}), flush=True)
+    print(json.dumps({"same_tokens": tokens["candidates"] == tokens["vocabulary noise"] == tokens["full sort"],
+                      "candidates": candidates,
                       "cpu_flags": cpu_flags(("avx", "amx", "fma")), "machine": machine_info(torch.device("cpu"))}))
 
 

@@ -34,7 +34,7 @@ from .finite import check_logits_finite
 from .fused_layers import FusedLayers
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
-from .sampling import SamplingParams, StepSample, gumbel_noise, sample, sequence_key
+from .sampling import GumbelNoise, SamplingParams, StepSample, sample, sequence_key
 from .sequence import Completion
 from .stops import eos_ids, final_text, finish_reason
 from .timing import PhaseClock
@@ -172,12 +172,12 @@ class RolloutEngine:
                             device=self.device)
 
     def noise(self, keys: torch.Tensor, live: list[Completion], sampling: SamplingParams,
-              vocab: int, ahead: int = 0) -> torch.Tensor | None:
-        """Gumbel noise [rows, V] for each live sequence's next token (`ahead` tokens further on); None if greedy."""
+              vocab: int, ahead: int = 0) -> GumbelNoise | None:
+        """The Gumbel noise of each live sequence's next token (`ahead` tokens further on); None if greedy."""
         if sampling.greedy:
             return None
         positions = torch.tensor([len(seq.token_ids) + ahead for seq in live], device=self.device)
-        return gumbel_noise(keys, positions, vocab)
+        return GumbelNoise(keys, positions, vocab)
 
     def _generate_wave(self, wave: Wave, keys: torch.Tensor, sampling: SamplingParams, schedule: Schedule, bar,
                        draft_tokens: int | None) -> list[Completion]:

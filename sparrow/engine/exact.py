@@ -28,7 +28,7 @@ from sparrow.metrics import acceptance_rate
 from sparrow.schedules import Schedule
 
 from .finite import check_logits_finite
-from .sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, SamplingParams, StepSample, choose, gumbel_noise,
+from .sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, GumbelNoise, SamplingParams, StepSample, choose, gumbel_noise,
                        residual_rule, sample, uniforms)
 from .sequence import Completion
 
@@ -58,7 +58,8 @@ def choose_draft_length(acceptance: float, draft_s: float, verify_s: dict[int, f
         (s0,) = spans
         slope, base = verify_s[s0] / (2 * s0), verify_s[s0] / 2
     else:
-        xs, ys = torch.tensor(spans, dtype=torch.float64), torch.tensor([verify_s[x] for x in spans], dtype=torch.float64)
+        xs = torch.tensor(spans, dtype=torch.float64)
+        ys = torch.tensor([verify_s[x] for x in spans], dtype=torch.float64)
         slope = max(0.0, float(((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum()))
         base = float(ys.mean()) - slope * float(xs.mean())
     rate = [sum(acceptance**i for i in range(k + 1)) / (k * draft_s + max(base + slope * (k + 1), 1e-9))
@@ -132,7 +133,7 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         clock = engine.phases.lap("verify", clock)
         verify_s = clock - verified_at
         rows, span = dense.shape[:2]
-        flat_noise = None if noise[0] is None else torch.stack(noise, dim=1).view(rows * span, vocab)
+        flat_noise = None if noise[0] is None else GumbelNoise.stack(noise)
         flat = sample(dense.view(rows * span, vocab), sampling, flat_noise)  # every position in one call
         steps = StepSample(*(t.view(rows, span, *t.shape[1:]) for t in (flat.tokens, flat.logprobs, flat.top_ids,
                                                                         flat.top_logprobs, flat.finite)))

@@ -132,9 +132,15 @@ def _row_hash(keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     return hash32(row ^ _signed32(stream * 0x85EBCA6B % 2**32)) if stream else row
 
 
+UNIT_MAX = 1.0 - 2.0**-24
+"""The largest float32 below 1."""
+
+
 def _unit(bits: torch.Tensor) -> torch.Tensor:
-    """24 random bits of each int32 as a float in (0, 1), exactly representable."""
-    return (((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24
+    """24 random bits k of each int32 as a float in (0, 1): (k + 0.5) / 2**24 rounded to float32, at most `UNIT_MAX`.
+    The largest k rounds to 1.0, whose Gumbel noise is infinite: added to a token outside top-p (-inf) it made NaN,
+    which argmax picks, so once in 2**24 entries a truncated token was drawn; it is held at UNIT_MAX instead."""
+    return ((((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24).clamp_max(UNIT_MAX)
 
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int, stream: int = 0) -> torch.Tensor:
@@ -142,11 +148,45 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int, stream
     `positions` [B]. A counter-based draw: entry (b, v) is a hash of (key b, position b, v) alone, so the same on
     every device and in every batch. `stream` selects an independent draw of the same counters.
 
-    The uniforms have 24 bits, so the noise lies in about [-2.9, 17.3]: a token whose logit is more than ~20 below
+    The uniforms have 24 bits, so the noise lies in about [-2.9, 16.6]: a token whose logit is more than ~20 below
     the best one's is never drawn (its probability is below 2e-9)."""
     row = _row_hash(keys, positions, stream)
-    bits = hash32(_vocab_hash(vocab, keys.device)[None, :] ^ row[:, None])
+    return _gumbel(hash32(_vocab_hash(vocab, keys.device)[None, :] ^ row[:, None]))
+
+
+def _gumbel(bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(_unit(bits)))
+
+
+@dataclass(frozen=True)
+class GumbelNoise:
+    """`gumbel_noise` of rows with `keys` [B, 2] at `positions` [B], made where a draw needs it: for the whole
+    vocabulary (`full`) or for a few token ids per row (`at`: the candidates of a top-p draw, a few hundred numbers
+    a row instead of the vocabulary's 49K); entry (b, v) is the same number either way."""
+
+    keys: torch.Tensor
+    positions: torch.Tensor
+    vocab: int
+    stream: int = 0
+
+    def full(self) -> torch.Tensor:
+        return gumbel_noise(self.keys, self.positions, self.vocab, self.stream)
+
+    def at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The noise at token ids [B, n] of each row."""
+        row = _row_hash(self.keys, self.positions, self.stream)
+        return _gumbel(hash32(_vocab_hash(self.vocab, ids.device)[ids] ^ row[:, None]))
+
+    def rows(self, index: torch.Tensor) -> GumbelNoise:
+        return GumbelNoise(self.keys[index], self.positions[index], self.vocab, self.stream)
+
+    @staticmethod
+    def stack(noises: list[GumbelNoise]) -> GumbelNoise:
+        """The noises of the same rows at successive positions as one [rows * len(noises)] noise, row-major (row r's
+        positions together), as a span's logits [rows, span, V] flatten."""
+        keys = torch.stack([n.keys for n in noises], dim=1).flatten(0, 1)
+        positions = torch.stack([n.positions for n in noises], dim=1).flatten()
+        return GumbelNoise(keys, positions, noises[0].vocab, noises[0].stream)
 
 
 def uniforms(keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
@@ -171,13 +211,16 @@ class StepSample:
 
 def truncate(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Scaled logits [B, V] with the tokens outside top-k and the top-p nucleus set to -inf."""
-    allowed = scaled
+    allowed = top_k(scaled, params)
+    return nucleus(allowed, params.top_p) if params.top_p < 1.0 else allowed
+
+
+def top_k(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Scaled logits [B, V] with the tokens below the k-th largest set to -inf (all of them kept if top_k is 0)."""
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
-        allowed = allowed.masked_fill(allowed < kth, float("-inf"))
-    if params.top_p < 1.0:
-        allowed = nucleus(allowed, params.top_p)
-    return allowed
+        return scaled.masked_fill(scaled < kth, float("-inf"))
+    return scaled
 
 
 NUCLEUS_CANDIDATES = 256
@@ -189,18 +232,31 @@ def nucleus(allowed: torch.Tensor, top_p: float) -> torch.Tensor:
     """`allowed` [B, V] with the tokens outside the top-p nucleus set to -inf. Ranked by logit, a token is kept
     while the probability of the tokens ranked before it (of the distribution over `allowed`) is at most top_p:
     the smallest prefix reaching top_p. The same tokens whether a row is decided among the candidates or sorted."""
-    log_norm = allowed.logsumexp(dim=-1, keepdim=True)
-    ranked, order = allowed.topk(min(NUCLEUS_CANDIDATES, allowed.shape[-1]), dim=-1)
-    drop = _past_nucleus(ranked, log_norm, top_p)
-    out = _only(allowed, order, ranked.masked_fill(drop, float("-inf")))
-    if ranked.shape[-1] < allowed.shape[-1]:
-        wide = (~drop[:, -1]).nonzero()[:, 0]  # rows whose last candidate is still inside the nucleus
-        if len(wide):
-            rows = allowed[wide]
-            ranked, order = rows.sort(dim=-1, descending=True)
-            drop = _past_nucleus(ranked, log_norm[wide], top_p)
-            out[wide] = _only(rows, order, ranked.masked_fill(drop, float("-inf")))
+    ids, kept, wide, log_norm = nucleus_candidates(allowed, top_p)
+    out = _only(allowed, ids, kept)
+    if len(wide):
+        out[wide] = _sorted_nucleus(allowed[wide], log_norm[wide], top_p)
     return out
+
+
+def nucleus_candidates(allowed: torch.Tensor,
+                       top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-p nucleus of each row of `allowed` [B, V] among its `NUCLEUS_CANDIDATES` top-ranked tokens: their ids
+    and logits [B, n], -inf past the nucleus; the rows [W] whose nucleus reaches past them (`_sorted_nucleus` decides
+    those); each row's log normaliser [B, 1]."""
+    log_norm = allowed.logsumexp(dim=-1, keepdim=True)
+    ranked, ids = allowed.topk(min(NUCLEUS_CANDIDATES, allowed.shape[-1]), dim=-1)
+    drop = _past_nucleus(ranked, log_norm, top_p)
+    partial = ranked.shape[-1] < allowed.shape[-1]
+    wide = (~drop[:, -1]).nonzero()[:, 0] if partial else ids.new_zeros(0)  # the last candidate still inside
+    return ids, ranked.masked_fill(drop, float("-inf")), wide, log_norm
+
+
+def _sorted_nucleus(rows: torch.Tensor, log_norm: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`rows` [W, V] with the tokens outside the nucleus at -inf, from the whole vocabulary sorted."""
+    ranked, order = rows.sort(dim=-1, descending=True)
+    drop = _past_nucleus(ranked, log_norm, top_p)
+    return _only(rows, order, ranked.masked_fill(drop, float("-inf")))
 
 
 def _past_nucleus(ranked: torch.Tensor, log_norm: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -220,17 +276,30 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
 
 
-def choose(scaled: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> torch.Tensor:
+def choose(scaled: torch.Tensor, params: SamplingParams, noise: GumbelNoise | torch.Tensor | None) -> torch.Tensor:
     """The token per row of `scaled` [B, V] (logits over the sampling temperature): the argmax if greedy, else the
-    Gumbel-max draw with `noise` [B, V], an exact draw from the top-k/top-p truncated distribution."""
+    Gumbel-max draw with `noise` (a `GumbelNoise`, or given numbers [B, V]), an exact draw from the top-k/top-p
+    truncated distribution. With top-p and a `GumbelNoise`, the draw is among the nucleus candidates, with noise
+    made for them alone; the token is the one the whole vocabulary's argmax gives (ties: the lowest id)."""
     if params.greedy:
         return scaled.argmax(dim=-1)
     if noise is None:
         raise ValueError("sampling at a temperature above 0 needs Gumbel noise per row")
-    return (truncate(scaled, params) + noise).argmax(dim=-1)
+    if isinstance(noise, torch.Tensor):
+        return (truncate(scaled, params) + noise).argmax(dim=-1)
+    allowed = top_k(scaled, params)
+    if params.top_p == 1.0:
+        return (allowed + noise.full()).argmax(dim=-1)
+    ids, kept, wide, log_norm = nucleus_candidates(allowed, params.top_p)
+    perturbed = kept + noise.at(ids)
+    tokens = ids.masked_fill(perturbed < perturbed.amax(dim=-1, keepdim=True), scaled.shape[-1]).amin(dim=-1)
+    if len(wide):
+        truncated = _sorted_nucleus(allowed[wide], log_norm[wide], params.top_p)
+        tokens[wide] = (truncated + noise.rows(wide).full()).argmax(dim=-1)
+    return tokens
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None) -> StepSample:
+def sample(logits: torch.Tensor, params: SamplingParams, noise: GumbelNoise | torch.Tensor | None) -> StepSample:
     """Sample one token per row of `logits` [B, V], row b with `noise[b]` (ignored, and may be None, if greedy).
 
     A row's token, log-probs and `finite` flag depend on that row's logits and noise only.

@@ -84,6 +84,44 @@ def test_the_nucleus_is_the_same_whether_found_among_the_candidates_or_by_sortin
     assert torch.equal(nucleus(logits, top_p), kept)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=300),
+                                    SamplingParams(top_k=5), SamplingParams()])
+def test_noise_made_for_the_candidates_draws_the_tokens_of_the_whole_vocabularys_noise(params):
+    # rows whose nucleus ends within the 256 candidates and rows sorted past them; tied logits in the first row
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 1000, generator=g) * torch.tensor([8.0, 0.3, 8.0, 2.0, 0.3, 1.0])[:, None]
+    logits[0, :40] = logits[0].max()
+    n = 300
+    keys = torch.randint(-2**31, 2**31 - 1, (6, 2), dtype=torch.int32, generator=g)
+    for position in range(n):
+        lazy = sampling.GumbelNoise(keys, torch.full((6,), position), 1000)
+        full = lazy.full()
+        ids = torch.randint(0, 1000, (6, 7), generator=g)
+        assert torch.equal(lazy.at(ids), full.gather(-1, ids))
+        assert torch.equal(sampling.choose(logits, params, lazy), sampling.choose(logits, params, full))
+    stacked = sampling.GumbelNoise.stack([sampling.GumbelNoise(keys[:2], torch.tensor([4, 9]) + j, 50)
+                                          for j in range(3)])
+    assert torch.equal(stacked.full().view(2, 3, 50),
+                       torch.stack([gumbel_noise(keys[:2], torch.tensor([4, 9]) + j, 50) for j in range(3)], 1))
+
+
+class _ZeroNoise(sampling.GumbelNoise):
+    def full(self):
+        return torch.zeros(len(self.keys), self.vocab)
+
+    def at(self, ids):
+        return torch.zeros(ids.shape)
+
+
+def test_ties_inside_the_nucleus_go_to_the_lowest_token_id_as_the_vocabularys_argmax_does():
+    logits = torch.zeros(1, 600)
+    logits[0, [300, 7, 3]] = 50.0  # three tied tokens hold the whole nucleus, found among the candidates
+    zero = _ZeroNoise(torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.long), 600)
+    params = SamplingParams(top_p=0.5)
+    assert sampling.choose(logits, params, zero).tolist() == [3]
+    assert sampling.choose(logits, params, torch.zeros(1, 600)).tolist() == [3]
+
+
 def test_top_p_after_top_k_renormalizes_over_the_top_k():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     # over the top 2 (0.4, 0.3 -> 4/7, 3/7), top-p 0.5 keeps the first only; over all four it would keep two

@@ -9,7 +9,7 @@ import torch
 
 from sparrow.attention import cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.engine.sampling import gumbel_noise, hash32, sample, sequence_key
+from sparrow.engine.sampling import UNIT_MAX, _unit, choose, gumbel_noise, hash32, sample, sequence_key
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, const
 from tests.conftest import _tiny, random_prompts
@@ -114,6 +114,19 @@ def test_gumbel_noise_is_counter_based_and_gives_exact_draws():
     tokens = sample(probs.log().expand(n, -1), SamplingParams(), many).tokens
     freq = torch.bincount(tokens, minlength=4) / n
     assert torch.allclose(freq, probs, atol=0.015) and freq[3] == 0
+
+
+def test_the_largest_random_word_gives_finite_noise_so_a_truncated_token_is_never_drawn():
+    # bits whose top 24 are all ones: (2**24 - 0.5) / 2**24 rounds to 1.0 in float32, whose Gumbel noise was +inf;
+    # on a token outside top-p (-inf) that made NaN, which argmax took (SmolLM2 drew such tokens in ~2% of steps)
+    bits = torch.tensor([-1, -256, 0], dtype=torch.int32)
+    u = _unit(bits)
+    assert u.tolist() == [UNIT_MAX, UNIT_MAX, 2.0**-25]
+    noise = -torch.log(-torch.log(u))
+    assert torch.isfinite(noise).all() and float(noise.max()) < 16.7
+    scaled = torch.tensor([[0.0, 5.0, -1.0]])
+    params = SamplingParams(top_p=0.5)  # keeps token 1 alone
+    assert choose(scaled, params, noise[None]).tolist() == [1]
 
 
 def _row_hash(key: torch.Tensor, position: int) -> int:
