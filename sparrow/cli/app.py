@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from sparrow import huge_pages, models
 from sparrow.attention import cpu_kernel
-from sparrow.engine import packed_linear
+from sparrow.engine import fused_layers, packed_linear
 from sparrow.errors import SparrowError
 from sparrow.rewards import sandbox
 
@@ -63,6 +63,7 @@ def check_environment() -> None:
     huge_pages.enabled()
     cpu_kernel.enabled()
     packed_linear.usable()
+    fused_layers.usable()
     sandbox.unsafe_from_env()
     models.cache_dir()
 

@@ -54,10 +54,12 @@ def test_huge_pages_off_in_words_turns_them_off(monkeypatch):
      f"SPARROW_CPU_KERNEL='maybe': expected 1 (the compiled CPU decode kernel) {YES_NO}"),
     ("SPARROW_PACKED_LINEAR", "of",
      f"SPARROW_PACKED_LINEAR='of': expected 1 (oneDNN-packed linear weights) {YES_NO}"),
+    ("SPARROW_FUSED_LAYERS", "fused",
+     f"SPARROW_FUSED_LAYERS='fused': expected 1 (the fused decoder layers) {YES_NO}"),
     ("SPARROW_UNSAFE_CODE_REWARD", "sure",
      f"SPARROW_UNSAFE_CODE_REWARD='sure': expected 1 (allow code rewards without a sandbox) {YES_NO}"),
     ("SPARROW_CACHE", "{tmp}/a-file", "SPARROW_CACHE='{tmp}/a-file': not a directory; expected a directory"),
-], ids=["huge-pages", "cpu-kernel", "packed-linear", "unsafe-code-reward", "cache-is-a-file"])
+], ids=["huge-pages", "cpu-kernel", "packed-linear", "fused-layers", "unsafe-code-reward", "cache-is-a-file"])
 def test_a_variable_not_understood_is_refused_before_the_model_loads(name, value, message, tmp_path, monkeypatch,
                                                                      capsys, request):
     (tmp_path / "a-file").write_text("x")
