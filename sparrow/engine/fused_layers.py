@@ -136,7 +136,7 @@ class FusedLayers:
     def fused(self) -> Iterator[None]:
         """A scope in which the model's weights do not change and its supported decoder layers run fused (nested
         scopes share the outer one); each layer's own forward is back at its end."""
-        if self._layers is not None or not usable() or cpu_kernel.load() is None:
+        if self._layers is not None or not usable():  # `supported` asks for the kernel only for CPU weights
             yield
             return
         layers = getattr(getattr(base_model(self.model), "model", None), "layers", [])
