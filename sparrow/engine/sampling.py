@@ -150,12 +150,7 @@ def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int, stream
 
     The uniforms have 24 bits, so the noise lies in about [-2.9, 16.6]: a token whose logit is more than ~20 below
     the best one's is never drawn (its probability is below 2e-9)."""
-    row = _row_hash(keys, positions, stream)
-    return _gumbel(hash32(_vocab_hash(vocab, keys.device)[None, :] ^ row[:, None]))
-
-
-def _gumbel(bits: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(_unit(bits)))
+    return GumbelNoise(keys, positions, vocab, stream).full()
 
 
 @dataclass(frozen=True)
@@ -170,12 +165,16 @@ class GumbelNoise:
     stream: int = 0
 
     def full(self) -> torch.Tensor:
-        return gumbel_noise(self.keys, self.positions, self.vocab, self.stream)
+        """The noise of every token [B, V]."""
+        return self._of(_vocab_hash(self.vocab, self.keys.device)[None, :])
 
     def at(self, ids: torch.Tensor) -> torch.Tensor:
         """The noise at token ids [B, n] of each row."""
+        return self._of(_vocab_hash(self.vocab, ids.device)[ids])
+
+    def _of(self, token_hashes: torch.Tensor) -> torch.Tensor:
         row = _row_hash(self.keys, self.positions, self.stream)
-        return _gumbel(hash32(_vocab_hash(self.vocab, ids.device)[ids] ^ row[:, None]))
+        return -torch.log(-torch.log(_unit(hash32(token_hashes ^ row[:, None]))))
 
     def rows(self, index: torch.Tensor) -> GumbelNoise:
         return GumbelNoise(self.keys[index], self.positions[index], self.vocab, self.stream)

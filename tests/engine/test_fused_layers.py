@@ -10,7 +10,7 @@ from sparrow.attention import cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams, fused_layers
 from sparrow.lora import LoraSpec, attach_adapter
 from sparrow.schedules import DENSE, const
-from tests.conftest import _tiny, random_prompts
+from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(not fused_layers.usable() or cpu_kernel.load() is None,
                                 reason="the compiled CPU kernel or packed linear layers are not available here")
@@ -24,8 +24,7 @@ def _steps(engine, fused: bool, monkeypatch) -> list[torch.Tensor]:
         cache = engine.new_cache(4, len(prompt) + 8)
         out = [engine.prefill(cache, prompt, torch.arange(4)).expand(4, -1)]
         for _ in range(2):
-            tokens = out[-1].argmax(-1) if out[-1].dim() == 2 else out[-1][:, -1].argmax(-1)
-            out.append(engine.decode_step(cache, tokens, const(48))[0])
+            out.append(engine.decode_step(cache, out[-1].argmax(-1), const(48))[0])
         span = torch.stack([out[-1].argmax(-1), out[-2].argmax(-1), out[0].argmax(-1)], dim=1)
         out.append(engine.span_step(cache, span))
         assert bool(engine.layers._layers) == fused  # while the scope is open
