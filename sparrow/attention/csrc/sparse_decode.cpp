@@ -39,8 +39,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
 using Marks = std::pair<const float*, const float*>;  // a page's landmarks: (centroid, null) or (kmin, kmax)
 
 // One register of floats: 16 lanes with AVX-512, 8 without. The loops below keep their running sums in such
-// values, one lane per token or channel and never summed across lanes, so a result does not depend on the vector
-// width the CPU has; several independent sums at once keep the FMA units busy instead of waiting on one chain.
+// values, one lane per token or channel and never summed across lanes, so the order of a sum does not depend on the
+// vector width (the build's -ffast-math still lets an AVX2 and an AVX-512 build round some results differently in
+// the last bit: compare results within one machine); several independent sums at once keep the FMA units busy.
 // Every loop over registers has a compile-time count and no more live sums than the CPU has registers (16 with
 // AVX2, 32 with AVX-512): an array of vectors that does not fit is kept on the stack, several times slower.
 #if defined(__AVX512F__)
@@ -104,32 +105,50 @@ inline void page_scores(const float* qh, int64_t G, const float* kt, int64_t kst
 
 // oh[g, :] += sum_t w[g * wstride + t] * vp[t, :] over a page's n tokens (values token-major [n, kD]) for the
 // G heads: per head and block of kBlock registers of channels, one sum for even tokens and one for odd ones.
-template <int64_t kD>
-inline void add_page_values(const float* w, int64_t wstride, int64_t G, const float* vp, int64_t n, float* oh) {
+// NG heads at once where the registers allow (AVX-512: each value register loaded once serves 3 heads); the same
+// sums in the same order whatever NG.
+template <int64_t kD, int NG>
+inline void add_page_values_heads(const float* w, int64_t wstride, const float* vp, int64_t n, float* oh) {
   constexpr int V = kD / kW, kBlock = V < 4 ? V : 4;
   static_assert(V % kBlock == 0, "head dim must be a multiple of the block");
-  for (int64_t g = 0; g < G; ++g) {
-    const float* wg = w + g * wstride;
-    for (int b = 0; b < V; b += kBlock) {
-      float* og = oh + g * kD + b * kW;
-      const float* vb = vp + b * kW;
-      vf even[kBlock], odd[kBlock];
+  for (int b = 0; b < V; b += kBlock) {
+    const float* vb = vp + b * kW;
+    vf even[NG][kBlock], odd[NG][kBlock];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 8
-      for (int v = 0; v < kBlock; ++v) even[v] = loadv(og + kW * v), odd[v] = vf{};
-      int64_t t = 0;
-      for (; t + 1 < n; t += 2) {
-        const float w0 = wg[t], w1 = wg[t + 1];
-        const float *v0 = vb + t * kD, *v1 = v0 + kD;
+      for (int v = 0; v < kBlock; ++v) even[g][v] = loadv(oh + g * kD + b * kW + kW * v), odd[g][v] = vf{};
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      const float *v0 = vb + t * kD, *v1 = v0 + kD;
+      vf x0[kBlock], x1[kBlock];
 #pragma GCC unroll 8
-        for (int v = 0; v < kBlock; ++v) even[v] += w0 * loadv(v0 + kW * v), odd[v] += w1 * loadv(v1 + kW * v);
+      for (int v = 0; v < kBlock; ++v) x0[v] = loadv(v0 + kW * v), x1[v] = loadv(v1 + kW * v);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const float w0 = w[g * wstride + t], w1 = w[g * wstride + t + 1];
+#pragma GCC unroll 8
+        for (int v = 0; v < kBlock; ++v) even[g][v] += w0 * x0[v], odd[g][v] += w1 * x1[v];
       }
-      if (t < n)
-#pragma GCC unroll 8
-        for (int v = 0; v < kBlock; ++v) even[v] += wg[t] * loadv(vb + t * kD + kW * v);
-#pragma GCC unroll 8
-      for (int v = 0; v < kBlock; ++v) storev(og + kW * v, even[v] + odd[v]);
     }
+    if (t < n)
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 8
+        for (int v = 0; v < kBlock; ++v) even[g][v] += w[g * wstride + t] * loadv(vb + t * kD + kW * v);
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 8
+      for (int v = 0; v < kBlock; ++v) storev(oh + g * kD + b * kW + kW * v, even[g][v] + odd[g][v]);
   }
+}
+
+template <int64_t kD>
+inline void add_page_values(const float* w, int64_t wstride, int64_t G, const float* vp, int64_t n, float* oh) {
+  constexpr int kHeads = kW == 16 ? 2 : 1;  // 2 x 2 x 4 sums and 8 value registers of AVX-512's 32
+  int64_t g = 0;
+  for (; g + kHeads <= G; g += kHeads) add_page_values_heads<kD, kHeads>(w + g * wstride, wstride, vp, n, oh + g * kD);
+  for (; g < G; ++g) add_page_values_heads<kD, 1>(w + g * wstride, wstride, vp, n, oh + g * kD);
 }
 
 }  // namespace
@@ -202,12 +221,31 @@ inline vf exp_nonpositive(vf x) {
   return x < lo ? vf{} : y * scale;
 }
 
+// The largest of s[0..n) (n >= 1), a register at a time (a maximum is the same in any order).
+inline float row_max(const float* s, int64_t n) {
+  float top = s[0];
+  int64_t i = 0;
+  if (n >= kW) {
+    vf m = loadv(s);
+    for (i = kW; i + kW <= n; i += kW) {
+      const vf v = loadv(s + i);
+      m = v > m ? v : m;
+    }
+    float lanes[kW];
+    storev(lanes, m);
+    top = lanes[0];
+    for (int l = 1; l < kW; ++l) top = std::max(top, lanes[l]);
+  }
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  return top;
+}
+
 // Softmax of each of the G rows of scores[g * stride + i], i < n, in place. The exponentials are summed in 16
 // lanes (one per i mod 16), then the lanes in order, so the sum does not depend on the vector width.
 inline void softmax_rows(float* scores, int64_t G, int64_t stride, int64_t n) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * stride;
-    const float top = *std::max_element(s, s + n);
+    const float top = row_max(s, n);
     vf acc[kPageVecs] = {};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
