@@ -56,6 +56,7 @@ inline vf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));  // half an AVX-512 register
 
 constexpr int kPageVecs = 16 / kW;         // registers per 16-token page row
 constexpr int kMaxHeads = kW == 16 ? 4 : 2;  // query heads scored at once (2 sums x kPageVecs registers each)
@@ -320,6 +321,43 @@ Step make_step(const torch::Tensor& q, const torch::Tensor& cache, std::vector<t
 //   prefetch(kept, j)   a hint before page kept[j] is scored.
 // and, per reader, slots() (page slots per row) and page_size().
 
+// score_span's loop for one 16-token page of token-major keys kp: query registers V of L lanes, NV of them per
+// group of L * NV queries, kT = 8 / NV tokens at a time (8 sums in flight); scaled scores into s[g * stride + t].
+template <int64_t kD, class V, int NV>
+inline void span_page_scores(const float* qt, int64_t G, const float* kp, int64_t valid, float sc, float* s,
+                             int64_t stride) {
+  constexpr int L = sizeof(V) / sizeof(float), kT = 8 / NV;
+  const int64_t Gp = (G + 15) / 16 * 16;
+  for (int64_t g0 = 0; g0 < G; g0 += L * NV) {
+    const int64_t ng = std::min<int64_t>(L * NV, G - g0);
+    for (int64_t t0 = 0; t0 < valid; t0 += kT) {
+      V acc[kT][NV] = {};
+      for (int64_t d = 0; d < kD; ++d) {
+        V q[NV];
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) __builtin_memcpy(&q[c], qt + d * Gp + g0 + c * L, sizeof(V));
+#pragma GCC unroll 8
+        for (int t = 0; t < kT; ++t) {
+          const float k = kp[(t0 + t) * kD + d];
+#pragma GCC unroll 4
+          for (int c = 0; c < NV; ++c) acc[t][c] += k * q[c];
+        }
+      }
+      float out[kT][L * NV];
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) {
+          const V scaled = acc[t][c] * sc;
+          __builtin_memcpy(out[t] + c * L, &scaled, sizeof(V));
+        }
+      const int64_t nt = std::min<int64_t>(kT, valid - t0);
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t t = 0; t < nt; ++t) s[(g0 + g) * stride + t0 + t] = out[t][g];
+    }
+  }
+}
+
 // The native engine's cache: keys/values [B, H, P, S, D] and landmarks [B, H, P, D], page p of (row, head) at
 // (row H + head) P + p; keys token-major.
 struct ContiguousPages {
@@ -359,42 +397,20 @@ struct ContiguousPages {
       }
     }
     // The span step's many query rows (G * span), queries as lanes: `qt` holds them transposed ([kD, Gp], Gp =
-    // G rounded up to 16, zero padded; see transpose_queries). Per 16 queries and kT tokens at a time, each key
-    // channel is broadcast against the queries' register of that channel, so the keys are read as stored and one
-    // query load serves kT tokens. One sum per (token, query), over the channels in order. Other page sizes as `score`.
+    // G rounded up to 16, zero padded; see transpose_queries). Per 16 queries (8 when there are no more: half
+    // registers, twice as many per cycle where AVX-512 has 16 lanes) and kT tokens at a time, each key channel is
+    // broadcast against the queries' register of that channel, so the keys are read as stored and one query load
+    // serves kT tokens. One sum per (token, query), over the channels in order. Other page sizes as `score`.
     template <int64_t kD>
     void score_span(const float* qh, const float* qt, int64_t G, int64_t p, int64_t valid, float sc, float* s,
                     int64_t stride, float* tile) const {
       if constexpr (kD > 0) {
         if (S == 16) {
-          constexpr int kT = 8 / kPageVecs;  // 8 sums in flight
-          const int64_t Gp = (G + 15) / 16 * 16;
           const float* kp = page_keys(p);  // a full page of S slots: tokens past `valid` are read, never stored
-          for (int64_t g0 = 0; g0 < G; g0 += 16) {
-            const int64_t ng = std::min<int64_t>(16, G - g0);
-            for (int64_t t0 = 0; t0 < valid; t0 += kT) {
-              vf acc[kT][kPageVecs] = {};
-              for (int64_t d = 0; d < kD; ++d) {
-                vf q[kPageVecs];
-#pragma GCC unroll 4
-                for (int c = 0; c < kPageVecs; ++c) q[c] = loadv(qt + d * Gp + g0 + c * kW);
-#pragma GCC unroll 8
-                for (int t = 0; t < kT; ++t) {
-                  const float k = kp[(t0 + t) * kD + d];
-#pragma GCC unroll 4
-                  for (int c = 0; c < kPageVecs; ++c) acc[t][c] += k * q[c];
-                }
-              }
-              float out[kT][16];
-#pragma GCC unroll 8
-              for (int t = 0; t < kT; ++t)
-#pragma GCC unroll 4
-                for (int c = 0; c < kPageVecs; ++c) storev(out[t] + c * kW, acc[t][c]);
-              const int64_t nt = std::min<int64_t>(kT, valid - t0);
-              for (int64_t g = 0; g < ng; ++g)
-                for (int64_t t = 0; t < nt; ++t) s[(g0 + g) * stride + t0 + t] = out[t][g] * sc;
-            }
-          }
+          if (kW == 16 && G <= 8)
+            span_page_scores<kD, v8f, 1>(qt, G, kp, valid, sc, s, stride);
+          else
+            span_page_scores<kD, vf, kPageVecs>(qt, G, kp, valid, sc, s, stride);
           return;
         }
       }
