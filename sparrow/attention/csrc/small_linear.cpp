@@ -5,9 +5,10 @@
 // are prefetched (without it the stream reads at half the bandwidth here), the lanes are added in order
 // and the last K mod 8 terms after them (each as one fused multiply-add). Each weight and input vector is loaded
 // once per k into a register the compiler may not trade for a memory operand (GCC otherwise reloads the weights
-// for every row: twice the loads, half the speed at exact mode's 40 rows). Every output comes from the same block code (a last block overlaps the
-// one before it instead of being smaller), so an output does not depend on M, on which block it fell in, on the
-// thread count or on the CPU's vector width: a row decoded alone gets the bits it gets in a batch.
+// for every row: twice the loads, half the speed at exact mode's 40 rows). Every output comes from the same block
+// code (a last block overlaps the one before it instead of being smaller), so an output does not depend on M, on
+// which block it fell in, on the thread count or on the CPU's vector width (checked across an AVX2 and an AVX-512
+// build): a row decoded alone gets the bits it gets in a batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
