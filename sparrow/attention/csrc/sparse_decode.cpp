@@ -106,7 +106,7 @@ inline void page_scores(const float* qh, int64_t G, const float* kt, int64_t kst
 
 // oh[g, :] += sum_t w[g * wstride + t] * vp[t, :] over a page's n tokens (values token-major [n, kD]) for the
 // G heads: per head and block of kBlock registers of channels, one sum for even tokens and one for odd ones.
-// NG heads at once where the registers allow (AVX-512: each value register loaded once serves 3 heads); the same
+// NG heads at once where the registers allow (AVX-512: each value register loaded once serves 2 heads); the same
 // sums in the same order whatever NG.
 template <int64_t kD, int NG>
 inline void add_page_values_heads(const float* w, int64_t wstride, const float* vp, int64_t n, float* oh) {
