@@ -88,6 +88,10 @@ def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
     write_schedule_json(schedule, config.out, page_size)
     print(f"fastest: {best['schedule']} with --draft-tokens {best['draft_tokens']}; wrote {config.out} "
           f"(use: --rollout-mode exact --schedule {config.out} --draft-tokens {best['draft_tokens']})")
+    if best["exact_over_dense"] < 1:
+        print(f"note: on {hw.name} every schedule's exact mode is predicted slower than dense decoding (best "
+              f"{best['exact_over_dense']:.2f}x); its rollouts are dense sampling's tokens, so --schedule dense gives "
+              "the same rollouts faster here")
     return 0
 
 

@@ -157,6 +157,16 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
                  "--step-overhead", "0.045", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"{hosted['exact_over_dense']:>11.2f}x" in printed and f"--draft-tokens {hosted['draft_tokens']}" in printed
+    assert "predicted slower than dense" not in printed
+    # memory so fast and arithmetic so slow that a verification costs more than the dense steps it replaces
+    slow = ["--hardware", "cpu", "--peak-flops", "1e10", "--bandwidth", "1e12", "--param-bytes", "4", "--kv-bytes", "4"]
+    worst = exact_candidates(profile, dims, hardware("cpu", 1e10, 1e12), samples=8, bytes_per_param=4,
+                             bytes_per_kv=4)[0]
+    assert worst["exact_over_dense"] < 1
+    assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact", *slow,
+                 "--out", str(out)]) == 0
+    assert (f"exact mode is predicted slower than dense decoding (best {worst['exact_over_dense']:.2f}x)"
+            in capsys.readouterr().out)
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", *cpu[:6], "--kv-bytes", "0"]) == 2
     assert "kv_bytes must be a finite number > 0 and <= 64, got 0.0" in capsys.readouterr().err
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
