@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Tail or mean over every sparse run with a matching dense run (BENCHMARKS.md, "Tail or mean"): the run directories
-# kept under benchmarks/, and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json).
+# kept under benchmarks/ (the long-answer runs of 2026-12-05 carry the sampler bug, the same in both runs of a pair), and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=benchmarks/longanswer/grpo
+F=benchmarks/longanswer/grpo-2026-12-06  # seed 0 again without the sampler bug
 .venv/bin/python benchmarks/tail_vs_mean.py \
     benchmarks/promise/seed0/sparse-0-3072-seed0=benchmarks/promise/seed0/dense-seed0 \
     benchmarks/promise/seed1/sparse-0-3072-seed1=benchmarks/promise/seed1/dense-seed1 \
@@ -20,4 +21,5 @@ G=benchmarks/longanswer/grpo
     "$G/seed0/sparse-0-2048=$G/seed0/dense=long answers 0:2048, seed 0" \
     "$G/seed0/sparse-0-1024=$G/seed0/dense=long answers 0:1024, seed 0" \
     "$G/seed1/sparse-0-2048=$G/seed1/dense=long answers 0:2048, seed 1" \
+    "$F/seed0/sparse-0-2048=$F/seed0/dense=long answers 0:2048, seed 0 (2026-12-06)" \
     "$@" --extra benchmarks/earlier-threshold-runs.json
