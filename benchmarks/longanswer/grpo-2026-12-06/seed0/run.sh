@@ -13,3 +13,6 @@ $S eval --model smollm2-135m $E > heldout-eval-base.json
 $S eval --model /tmp/la0/dense/checkpoint-6 $E > heldout-eval-dense.json
 $S eval --model /tmp/la0/sparse/checkpoint-6 $E > heldout-eval-sparse.json
 $S report /tmp/la0/dense /tmp/la0/sparse --out /tmp/la0/report
+# Exact mode, the same seed, 2 steps (drafts at 0:1024, K 2): rewards and answer lengths equal the dense run's.
+$S train --config examples/smollm2-longanswer.yaml --data /tmp/la0/train.jsonl --seed 0 --steps 2 \
+    --rollout-mode exact --schedule 0:1024 --draft-tokens 2 --output-dir /tmp/la0/exact
