@@ -6,10 +6,11 @@ The same module holds `small_linear` (csrc/small_linear.cpp), the decode step's 
 The PyTorch path scores pages, selects them, gathers the selected keys and values into new tensors and then
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the
 same in one call, reading the pages once in place; on a CPU that is most of the time of a sparse layer.
-It is built on first use with the C++ compiler torch uses (cached by torch under ~/.cache/torch_extensions,
-compiled for this CPU with -march=native, under a name of its own per CPU model and instruction set, so that
-machines sharing a home directory never load each other's build: AVX-512 code dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path
-in charge, with one warning. SPARROW_CPU_KERNEL=0 turns it off.
+It is built on first use (a float32 CPU RolloutEngine loads it when made) with the C++ compiler torch uses (cached
+by torch under ~/.cache/torch_extensions, compiled for this CPU with -march=native, under a name of its own per CPU
+model and instruction set, so that machines sharing a home directory never load each other's build: AVX-512 code
+dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path in charge, with one
+warning. SPARROW_CPU_KERNEL=0 turns it off.
 
 Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway used to hang
 every later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and

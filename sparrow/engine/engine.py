@@ -23,6 +23,7 @@ from sparrow.attention import (
     SparseConfig,
     enable_sparse_attention,
 )
+from sparrow.attention import cpu_kernel
 from sparrow.attention.interface import CONTEXT_KEY, base_model
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
@@ -67,6 +68,8 @@ class RolloutEngine:
         self.phases = PhaseClock(self.device)
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
         self.layers = FusedLayers(model)  # decoder layers in a few ops for decode steps, the same span
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_kernel.load()  # a first build (~30 s) here, not inside the first generate's phase timings
 
     @contextlib.contextmanager
     def frozen_weights(self):

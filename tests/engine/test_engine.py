@@ -274,3 +274,13 @@ def test_compaction_order_keeps_rows_in_place_and_fills_holes_from_above():
     assert compaction_order([0, 2, 3, 5]) == [0, 5, 2, 3]
     assert compaction_order([4, 5]) == [4, 5]
     assert sorted(compaction_order([1, 3, 4, 6, 7])) == [1, 3, 4, 6, 7]
+
+
+def test_a_cpu_engine_loads_the_kernel_when_made_so_a_first_build_stays_out_of_generate(llama, monkeypatch):
+    from sparrow.attention import cpu_kernel
+
+    calls = []
+    monkeypatch.setattr(cpu_kernel, "load", lambda: calls.append(1))
+    model, tok = llama
+    RolloutEngine(model, tok)
+    assert calls == [1]
