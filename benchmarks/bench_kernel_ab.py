@@ -1,5 +1,6 @@
 """Before/after of the compiled CPU kernel: another checkout's `sparrow/attention/csrc` built under a name of its own
-against this checkout's, alternated call by call in one process, each result compared bit for bit.
+(with this checkout's compiler flags) against this checkout's, alternated call by call in one process, each result
+compared bit for bit.
 
     git worktree add /tmp/old <commit>
     .venv/bin/python benchmarks/bench_kernel_ab.py /tmp/old --rows 8,24,40 --contexts 1000,8100 --spans 1,2,5
@@ -18,7 +19,6 @@ import statistics
 import time
 from pathlib import Path
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): q/k/v, o, gate/up, down of SmolLM2
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         raise SystemExit("this checkout's CPU kernel cannot be built here")
     old = load(name="sparrow_kernel_baseline", sources=[str(csrc / name) for name in ("sparse_decode.cpp",
                                                                                     "small_linear.cpp")],
-               extra_cflags=FLAGS, extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
+               extra_cflags=cpu_kernel.CFLAGS, extra_ldflags=cpu_kernel.LDFLAGS, verbose=False)
 
     def compare(case: dict, call) -> None:
         """Alternate call(old) and call(new), then print their medians and whether their outputs are equal."""

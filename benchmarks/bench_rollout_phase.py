@@ -63,7 +63,7 @@ def main() -> None:
     examples = load_examples(DataSpec(args.prompts))[: args.count]
     totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "verify_s": 0.0, "rewards": []}
               for c in args.configs.split(",")}
-    with torch.no_grad():  # untimed: the CPU kernel's load (a build after an edit) and first-use costs
+    with torch.no_grad():  # untimed: first-use costs (weight packing, allocations)
         backend.generate([examples[0].prompt], SamplingParams(max_new_tokens=2, top_p=args.top_p), DENSE, 1)
     for i, ex in enumerate(examples):
         dense_tokens = None

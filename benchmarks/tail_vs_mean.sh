@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tail or mean over every sparse run with a matching dense run (BENCHMARKS.md, "Tail or mean"): the run directories
-# kept under benchmarks/ (the long-answer runs of 2026-12-05 carry the sampler bug, the same in both runs of a pair), and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json).
+# kept under benchmarks/ (the long-answer runs of 2026-12-05 carry the sampler bug, the same in both runs of a
+# pair), and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=benchmarks/longanswer/grpo

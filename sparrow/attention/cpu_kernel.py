@@ -42,6 +42,8 @@ _GUARD = "sparrow-build.lock"
 BUILD_WAIT_S = 300.0  # a build takes about 30 s; far longer means the builder is stuck
 _module = None
 _tried = False
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+LDFLAGS = ["-fopenmp", "-lmvec"]
 
 
 def enabled() -> bool:
@@ -67,8 +69,7 @@ def load():
             if needs_build(build_dir):
                 _say("building the CPU sparse-decode kernel (once per checkout and CPU, about 30 s)")
             _module = build(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-                            extra_ldflags=["-fopenmp", "-lmvec"], verbose=False)
+                            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except Exception as err:  # a missing compiler or ninja must not break generation
         warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({err})")
         _module = None

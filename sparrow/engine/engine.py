@@ -68,8 +68,7 @@ class RolloutEngine:
         self.phases = PhaseClock(self.device)
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
         self.layers = FusedLayers(model)  # decoder layers in a few ops for decode steps, the same span
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_kernel.load()  # a first build (~30 s) here, not inside the first generate's phase timings
+        cpu_kernel.usable(param)  # loads the kernel where it applies: a first build (~30 s) here, not in generate
 
     @contextlib.contextmanager
     def frozen_weights(self):
