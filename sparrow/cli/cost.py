@@ -15,6 +15,7 @@ from sparrow.measure.cost_model import (
     equal_cost_constant,
     exact_decode,
     paper_cost,
+    training_step,
 )
 from sparrow.model_shapes import model_dims
 from sparrow.options import SparseSection
@@ -54,6 +55,12 @@ class CostConfig:
                                             "profile's mean alpha, or bench's coupled acceptance); adds exact "
                                             "mode's predicted decode speedup")
     draft_tokens: int = option(0, "exact mode: tokens drafted per dense verification (0: the best of 1-16)")
+    training: bool = option(False, "also price a whole GRPO step of the group: the update (forward and backward "
+                                   "of the prompt and every completion) both rollouts pay, and the exact monitor "
+                                   "sparse ones pay")
+    monitor_every: int = option(1, "with --training: the monitor runs every N-th step (train's monitor_every)")
+    monitor_share: float = option(1.0, "with --training: share of the completions the monitor teacher-forces "
+                                       "(train's monitor_share)")
     json: bool = option(False, "print one JSON object")
     parsed_schedule: Schedule | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -71,6 +78,8 @@ class CostConfig:
         if self.acceptance is not None:
             check_finite("acceptance", self.acceptance, 0, 1)
         check_int("draft_tokens", self.draft_tokens, 0)
+        check_int("monitor_every", self.monitor_every, 1)
+        check_finite("monitor_share", self.monitor_share, 0, 1, low_open=True)
         if self.draft_tokens and self.acceptance is None:
             raise SparrowError("--draft-tokens prices exact mode, which needs --acceptance (the drafts' per-token "
                                "acceptance, e.g. a profile's mean alpha)")
@@ -130,6 +139,9 @@ def evaluate(config: CostConfig) -> dict:
                  else best_draft_tokens)
         exact = price(*trajectory, acceptance=config.acceptance, page_size=sparse.page_size, **options)
         result["exact"] = {"draft_tokens": config.draft_tokens, **exact}
+    if config.training:
+        result["training"] = training_step(*trajectory, monitor_every=config.monitor_every,
+                                           monitor_share=config.monitor_share, page_size=sparse.page_size, **options)
     final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
     paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, sparse.page_size)
     return {
@@ -177,6 +189,14 @@ def _print(report: dict) -> None:
         print(f"exact mode (acceptance {exact.get('acceptance', 0):g}): K = {exact['draft_tokens']} drafted tokens, "
               f"{exact['tokens_per_verify']:.2f} tokens per verification, decode {exact['exact_over_dense']:.2f}x "
               f"dense (sparse decode {exact['sparse_over_dense']:.2f}x)")
+    if "training" in report:
+        step = report["training"]
+        every = "every step" if step["monitor_every"] == 1 else f"every {step['monitor_every']} steps"
+        print(f"GRPO step (rollout + update, and for sparse rollouts the monitor: {step['monitor_rows']} of "
+              f"{report['samples']} completions {every}):")
+        print(f"  {step['step_speedup']:.2f}x dense; the dense step {step['dense_step_s']:.3g} s, "
+              f"{step['update_share']:.0%} of it the update (a free rollout and monitor: at most "
+              f"{step['step_speedup_limit']:.2f}x)")
     paper = report["paper"]
     print(f"paper formula (constant budget {paper['budget']} tokens): speedup {paper['speedup']:.2f}x")
     if "equal_cost_constant" in report:

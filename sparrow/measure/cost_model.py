@@ -2,11 +2,12 @@
 
 A decode step costs `flops + I * bytes`, with I = peak FLOP/s / memory bandwidth, so a byte moved counts as the
 FLOPs the chip could have done in the time it takes to move it, plus the host time every forward pass pays besides
-(`Hardware.step_overhead`, 0 for the presets), at peak FLOP/s; cost / peak FLOP/s is a predicted time. Per step we count the weight reads (once for the
-whole batch), the K/V reads of the attended tokens and the landmark reads of sparse layers (per sequence), the
-projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the decode steps of `samples`
-sequences that share one prompt, plus one dense prefill of that prompt. `paper_cost` is the paper's printed
-approximation, kept for comparison; docs/cost-model.md derives both and lists where they differ.
+(`Hardware.step_overhead`, 0 for the presets), at peak FLOP/s; cost / peak FLOP/s is a predicted time. Per step we
+count the weight reads (once for the whole batch), the K/V reads of the attended tokens and the landmark reads of
+sparse layers (per sequence), the projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the
+decode steps of `samples` sequences that share one prompt, plus one dense prefill of that prompt; `training_step`
+adds the update and the monitor of a whole GRPO step. `paper_cost` is the paper's printed approximation, kept for
+comparison; docs/cost-model.md derives both and lists where they differ.
 
 Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts are exact Python integers.
 """
@@ -244,6 +245,17 @@ def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param
     )
 
 
+def _trajectory_sums(schedule: Schedule, prompt_len: int, gen_len: int, page_size: int) -> tuple[int, int, int]:
+    """Over the generated tokens of one sequence (token i holding prompt_len + i + 1 cached tokens): the cached
+    tokens, those a sparse layer attends under `schedule`, and the landmarks it scores, each summed."""
+    first, last = prompt_len + 1, prompt_len + gen_len
+    sum_cached = (first + last) * gen_len // 2
+    if schedule.is_dense:
+        return sum_cached, sum_cached, 0
+    cached = np.arange(first, last + 1, dtype=np.int64)
+    return sum_cached, *_sparse_counts(cached, schedule.budget_for(cached), page_size)
+
+
 def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
                     page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
                     bytes_per_kv=2) -> TrajectoryCost:
@@ -254,13 +266,7 @@ def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_le
     """
     _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
     check_trajectory(prompt_len, gen_len, samples)
-    first, last = prompt_len + 1, prompt_len + gen_len
-    sum_cached = (first + last) * gen_len // 2
-    if schedule.is_dense:
-        sum_sparse, sum_scored = sum_cached, 0
-    else:
-        cached = np.arange(first, last + 1, dtype=np.int64)
-        sum_sparse, sum_scored = _sparse_counts(cached, schedule.budget_for(cached), page_size)
+    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, page_size)
     decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, dense_layers, landmark,
                      bytes_per_param, bytes_per_kv)
     prefill = prefill_cost(dims, hw, prompt_len, bytes_per_param, bytes_per_kv)
@@ -291,6 +297,54 @@ def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, 
         "dense": dataclasses.asdict(dense),
         "sparse": dataclasses.asdict(sparse),
     }
+
+
+def training_step(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
+                  monitor_every: int = 1, monitor_share: float = 1.0, page_size: int = 16, dense_layers: int = 2,
+                  landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> dict:
+    """A whole GRPO step of one group (`samples` completions of one prompt), dense rollouts against `schedule`'s:
+    the rollout (`trajectory_cost`), the update both pay, and the exact monitor only sparse rollouts pay.
+
+    The update runs the dense policy forward and backward over the group, the prompt once (its K/V shared by the
+    samples, no logits) and every completion against it (each token attending the tokens before it): three times
+    the forward's FLOPs, a backward costing two forwards. Thousands of tokens share each weight read, so it is
+    bound by arithmetic; its bytes are the weights read three times. The monitor teacher-forces the first
+    ceil(monitor_share * samples) completions through the sparse actor every `monitor_every`-th step, reusing the
+    update's prompt and dense logits: each completion token's forward, attending what it attended while
+    decoding and scoring the same landmarks (the acceptance itself, a few FLOPs per vocabulary entry, is left
+    out). `step_speedup` is the dense step's cost over the sparse step's (the monitor spread over its steps);
+    `step_speedup_limit` is what a free rollout and monitor would give: the update alone bounds the step."""
+    check_int("monitor_every", monitor_every, 1)
+    if not 0 < monitor_share <= 1:
+        raise SparrowError(f"monitor_share must be in (0, 1], got {monitor_share!r}")
+    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
+               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options)
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options)
+    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, page_size)
+    attn_per_pair = 4 * dims.heads * dims.head_dim
+    prompt_pairs = prompt_len * (prompt_len + 1) // 2
+    forward_proj = 2 * (dims.step_params - dims.vocab * dims.hidden) * prompt_len + 2 * dims.step_params * (
+        samples * gen_len)
+    forward_attn = attn_per_pair * dims.layers * (prompt_pairs + samples * sum_cached)
+    update = _cost(hw, weight_bytes=3 * dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
+                   proj_flops=3 * forward_proj, attn_flops=3 * forward_attn, score_flops=0, forwards=0)
+    rows = min(samples, math.ceil(monitor_share * samples))
+    sparse_layers = dims.layers - dense_layers
+    lm = get_landmark(landmark)
+    monitor = _cost(hw, weight_bytes=dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
+                    proj_flops=2 * dims.step_params * rows * gen_len,
+                    attn_flops=rows * attn_per_pair * (dense_layers * sum_cached + sparse_layers * sum_sparse),
+                    score_flops=rows * lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
+                    * sparse_layers * sum_scored, forwards=0)
+    dense_step = dense.cost + update.cost
+    sparse_step = sparse.cost + update.cost + monitor.cost / monitor_every
+    return {"rollout_speedup": dense.cost / sparse.cost, "update_cost": update.cost, "monitor_cost": monitor.cost,
+            "monitor_every": monitor_every, "monitor_rows": rows, "dense_step_cost": dense_step,
+            "sparse_step_cost": sparse_step, "dense_step_s": dense_step / hw.peak_flops,
+            "sparse_step_s": sparse_step / hw.peak_flops, "update_share": update.cost / dense_step,
+            "step_speedup": dense_step / sparse_step, "step_speedup_limit": dense_step / update.cost,
+            "update": dataclasses.asdict(update), "monitor": dataclasses.asdict(monitor)}
 
 
 def equal_cost_constant(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_lens: list[int], gen_len: int,

@@ -23,6 +23,7 @@ from sparrow.measure.cost_model import (
     prefill_cost,
     seconds,
     tokens_per_verify,
+    training_step,
     trajectory_cost,
 )
 from sparrow.model_shapes import SMOLLM2_135M, model_config, model_dims
@@ -378,3 +379,38 @@ def test_cost_command_prices_exact_mode(capsys):
     assert 1 <= report["exact"]["draft_tokens"] <= 16 and report["exact"]["exact_over_dense"] > 1
     assert main(["cost", "--schedule", "const:1024", "--draft-tokens", "4"]) == 2
     assert "needs --acceptance" in capsys.readouterr().err
+
+
+def test_a_training_step_prices_the_update_both_pay_and_the_monitor_only_sparse_rollouts_pay(capsys):
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    prompt, gen, n = 2000, 300, 3
+    step = training_step(dims, hw, const(64), prompt, gen, n, monitor_every=2, monitor_share=0.5)
+    pair = 4 * dims.heads * dims.head_dim
+    sum_cached = sum(prompt + i + 1 for i in range(gen))
+    # forward and backward: three forwards over the prompt (no logits) and every completion token
+    forward_proj = 2 * (dims.step_params - dims.vocab * dims.hidden) * prompt + 2 * dims.step_params * n * gen
+    forward_attn = pair * dims.layers * (prompt * (prompt + 1) // 2 + n * sum_cached)
+    assert step["update"]["proj_flops"] == 3 * forward_proj and step["update"]["attn_flops"] == 3 * forward_attn
+    # the monitor: ceil(0.5 * 3) = 2 completions teacher-forced, each token attending what it did while decoding
+    attended = sum(min(prompt + i + 1, 64 - (-(prompt + i + 1) % 16)) for i in range(gen))
+    assert step["monitor_rows"] == 2
+    assert step["monitor"]["proj_flops"] == 2 * dims.step_params * 2 * gen
+    assert step["monitor"]["attn_flops"] == 2 * pair * (2 * sum_cached + (dims.layers - 2) * attended)
+    dense = trajectory_cost(dims, hw, DENSE, prompt, gen, n).cost
+    sparse = trajectory_cost(dims, hw, const(64), prompt, gen, n).cost
+    update, monitor = step["update_cost"], step["monitor_cost"]
+    assert step["step_speedup"] == pytest.approx((dense + update) / (sparse + update + monitor / 2))
+    assert step["step_speedup_limit"] == pytest.approx((dense + update) / update)
+    assert 1 < step["step_speedup"] < step["rollout_speedup"] < step["step_speedup_limit"]
+    # a covering budget decodes densely: the monitor only costs, so the sparse step is the slower one
+    covering = training_step(dims, hw, const(4096), prompt, gen, n)
+    assert covering["rollout_speedup"] == 1 and covering["step_speedup"] < 1
+    assert covering["monitor"]["attn_flops"] == pair * dims.layers * n * sum_cached
+    with pytest.raises(SparrowError, match="monitor_share must be in"):
+        training_step(dims, hw, const(64), prompt, gen, n, monitor_share=0)
+    assert main(["cost", "--schedule", "const:1024", "--prompt-len", "3000", "--gen-len", "2000", "--training",
+                 "--monitor-every", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["training"]["monitor_every"] == 2 and report["training"]["step_speedup"] > 1
+    assert main(["cost", "--schedule", "const:1024", "--training"]) == 0
+    assert "GRPO step (rollout + update" in capsys.readouterr().out
