@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=benchmarks/longanswer/grpo
-F=benchmarks/longanswer/grpo-2026-12-06  # seed 0 again without the sampler bug
+F=benchmarks/longanswer/grpo-2026-12-06  # both seeds again without the sampler bug
 .venv/bin/python benchmarks/tail_vs_mean.py \
     benchmarks/promise/seed0/sparse-0-3072-seed0=benchmarks/promise/seed0/dense-seed0 \
     benchmarks/promise/seed1/sparse-0-3072-seed1=benchmarks/promise/seed1/dense-seed1 \
@@ -23,4 +23,5 @@ F=benchmarks/longanswer/grpo-2026-12-06  # seed 0 again without the sampler bug
     "$G/seed0/sparse-0-1024=$G/seed0/dense=long answers 0:1024, seed 0" \
     "$G/seed1/sparse-0-2048=$G/seed1/dense=long answers 0:2048, seed 1" \
     "$F/seed0/sparse-0-2048=$F/seed0/dense=long answers 0:2048, seed 0 (2026-12-06)" \
+    "$F/seed1/sparse-0-2048=$F/seed1/dense=long answers 0:2048, seed 1 (2026-12-06)" \
     "$@" --extra benchmarks/earlier-threshold-runs.json
