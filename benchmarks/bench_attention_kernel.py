@@ -65,16 +65,16 @@ def main() -> None:
 
     spans = [int(s) for s in args.spans.split(",")]
     span_queries = {span: torch.randn(args.batch, heads, group * span, dim) for span in spans}
-    calls = {"dense decode": lambda: step(one, n_pages),
-             f"sparse decode at {args.budget}": lambda: step(one, budget),
-             f"sparse decode at {args.budget}, kept pages contiguous": lambda: step(one, budget, first)}
+    calls = {"dense decode": (lambda: step(one, n_pages), 1),  # name: (one step, new tokens per row)
+             f"sparse decode at {args.budget}": (lambda: step(one, budget), 1),
+             f"sparse decode at {args.budget}, kept pages contiguous": (lambda: step(one, budget, first), 1)}
     for span in spans:
-        calls[f"dense span of {span}"] = lambda span=span: [
+        calls[f"dense span of {span}"] = (lambda span=span: [
             cpu_kernel.span_decode(span_queries[span], keys, values, marks[layer], n_pages, total, span, sparse,
-                                   scale) for layer, (keys, values) in enumerate(caches)]
+                                   scale) for layer, (keys, values) in enumerate(caches)], span)
     times = {name: [] for name in calls}
     for repeat in range(args.repeats + 1):  # the first round warms up
-        for name, call in calls.items():
+        for name, (call, _) in calls.items():
             start = time.perf_counter()
             call()
             if repeat:
@@ -82,8 +82,7 @@ def main() -> None:
     common = {"context": args.context, "batch": args.batch, "cpu_flags": cpu_flags(("avx2", "avx512f", "amx")),
               "machine": machine_info(torch.device("cpu"))}
     for name, values in times.items():
-        ms = 1000 * statistics.median(values)
-        span = int(name.rsplit(" ", 1)[1]) if name.startswith("dense span") else 1
+        ms, span = 1000 * statistics.median(values), calls[name][1]
         print(json.dumps({"call": name, "step_ms": round(ms, 1),
                           **({"per_token_ms": round(ms / span, 1)} if span > 1 else {}), **common}))
 

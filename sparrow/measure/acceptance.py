@@ -12,6 +12,7 @@ a dense KV cache side by side, one token at a time. Tests hold the two equal; it
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from tqdm.auto import tqdm
@@ -23,6 +24,12 @@ from sparrow.lora import has_adapter, without_adapter
 from sparrow.metrics.divergence import acceptance_rate
 from .batch import RolloutBatch, piece_logits, piece_prompt, shared_prompt_pieces
 from sparrow.schedules import DENSE, Schedule
+
+
+def monitored_rows(rows: int, share: float) -> int:
+    """How many of `rows` rollouts the exact monitor measures: the first ceil(share * rows) (the trainer, the TRL
+    integration and the cost model's price of a monitored step)."""
+    return min(rows, math.ceil(share * rows))
 
 
 def piece_acceptance(model, batch: RolloutBatch, piece: torch.Tensor, schedule: Schedule, sparse: SparseConfig,

@@ -23,6 +23,7 @@ import numpy as np
 
 from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
+from sparrow.measure.acceptance import monitored_rows
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import ModelDims
 from sparrow.schedules import DENSE, Schedule, const
@@ -329,7 +330,7 @@ def training_step(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len:
     forward_attn = attn_per_pair * dims.layers * (prompt_pairs + samples * sum_cached)
     update = _cost(hw, weight_bytes=3 * dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
                    proj_flops=3 * forward_proj, attn_flops=3 * forward_attn, score_flops=0, forwards=0)
-    rows = min(samples, math.ceil(monitor_share * samples))
+    rows = monitored_rows(samples, monitor_share)
     sparse_layers = dims.layers - dense_layers
     lm = get_landmark(landmark)
     monitor = _cost(hw, weight_bytes=dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,

@@ -28,7 +28,7 @@ import torch
 from sparrow.datasets import Example
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
-from sparrow.measure.acceptance import piece_acceptance
+from sparrow.measure.acceptance import monitored_rows, piece_acceptance
 from sparrow.measure.batch import (RolloutBatch, piece_logits, piece_logprobs, piece_prompt, same_prompt,
                                    shared_prompt_pieces)
 from sparrow.measure.bounds import acceptance_bounds
@@ -160,11 +160,6 @@ def _monitored(policy: Policy, step: StepBatch, cfg: StepConfig, number: int) ->
     if mon.monitor != "exact" or number % mon.monitor_every or (step.schedule.is_dense and policy.distiller is None):
         return set()
     return set(range(monitored_rows(len(step.completions), mon.monitor_share)))
-
-
-def monitored_rows(rows: int, share: float) -> int:
-    """How many of `rows` rollouts the exact monitor measures: the first ceil(share * rows)."""
-    return min(rows, math.ceil(share * rows))
 
 
 @dataclass
