@@ -104,10 +104,11 @@ class RunTimeSchedule:
         return moved
 
     def metrics(self, version_in_force: int) -> dict[str, float]:
-        """The version that decoded the step, and with the adaptive schedule each bin's budget written next."""
-        budgets = {} if self.adaptive is None else self.adaptive.budget_metrics()
+        """The version that decoded the step, and with the adaptive schedule each bin's budget written next and the
+        cheaper rung's tails it was decided on."""
+        values = {} if self.adaptive is None else {**self.adaptive.budget_metrics(), **self.adaptive.evidence}
         return {"sparrow/schedule_version": float(version_in_force),
-                **{name: float(budget) for name, budget in budgets.items()}}
+                **{name: float(value) for name, value in values.items()}}
 
 
 def first_sparse_length(schedule: Schedule, page_size: int, low: int, high: int) -> int | None:

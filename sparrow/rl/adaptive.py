@@ -92,6 +92,7 @@ def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[i
         raise SparrowError(f"adaptive schedule needs patience >= 1, min_tokens >= 1 and margin in [0, 1), got "
                            f"{patience}, {min_tokens}, {margin}")
     rungs, ups, downs = list(state.rungs), list(state.up_streaks), list(state.down_streaks)
+    evidence = cheaper_tails(state, cheaper, min_tokens)
     events = []
     for b in range(len(rungs)):
         values = current.get(b)
@@ -106,11 +107,10 @@ def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[i
             events.append(f"bin {span}: p5 {p5:.3f} (interval {low:.3f}..{high:.3f}) below tau {tau}; budget up "
                           f"to {state.ladder[rungs[b]]}")
             continue
-        lower = cheaper.get(b)
-        if rungs[b] == 0 or lower is None or len(lower) < min_tokens:
+        if b not in evidence:
             downs[b] = 0
             continue
-        low_c, p5_c, _ = quantile_interval(lower)
+        p5_c, low_c = evidence[b]
         downs[b] = downs[b] + 1 if low_c >= tau + margin else 0
         if downs[b] >= patience:
             rungs[b] -= 1
@@ -118,6 +118,18 @@ def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[i
             events.append(f"bin {span}: p5 at {state.ladder[rungs[b]]} tokens is {p5_c:.3f} (>= {low_c:.3f}, "
                           f"above tau {tau} + margin {margin}); budget down to {state.ladder[rungs[b]]}")
     return AdaptiveState(state.bin_size, state.ladder, tuple(rungs), tuple(ups), tuple(downs)), events
+
+
+def cheaper_tails(state: AdaptiveState, cheaper: dict[int, np.ndarray], min_tokens: int) -> dict[int, tuple[float,
+                                                                                                           float]]:
+    """{bin index: (p5, lower end of its 95% interval)} of the acceptance one rung cheaper, for the bins that have
+    a cheaper rung and at least `min_tokens` tokens measured under it: the evidence a move down waits on."""
+    out = {}
+    for b, values in cheaper.items():
+        if 0 <= b < len(state.rungs) and state.rungs[b] > 0 and len(values) >= min_tokens:
+            low, p5, _ = quantile_interval(values)
+            out[b] = (float(p5), float(low))
+    return out
 
 
 def by_bin(alpha: np.ndarray, positions: np.ndarray, bin_size: int) -> dict[int, np.ndarray]:

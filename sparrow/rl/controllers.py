@@ -16,7 +16,7 @@ import numpy as np
 
 from sparrow.schedules import Schedule
 
-from .adaptive import AdaptiveState, by_bin, update
+from .adaptive import AdaptiveState, by_bin, cheaper_tails, update
 from .config import AdaptiveSection, TrainConfig
 from .probes import SwitchState, observe_probe, probe
 from .step import Policy, StepBatch
@@ -58,10 +58,13 @@ class FixedSchedule(ScheduleController):
 class AdaptiveSchedule(ScheduleController):
     """The adaptive controller of `sparrow train` and of the TRL integration: the schedule in force and one rung
     cheaper are measured every step, and each bin's budget moves as `adaptive.update` decides (`observe`); the
-    budgets in force go into the metrics as `adaptive/bin_<start>/budget` (`budget_metrics`)."""
+    budgets in force go into the metrics as `adaptive/bin_<start>/budget` (`budget_metrics`), and the evidence a
+    move down waits on as `adaptive/bin_<start>/cheaper_p5` and `cheaper_p5_low` (`evidence`, the p5 one rung
+    cheaper and the lower end of its interval)."""
 
     def __init__(self, start: AdaptiveState, tau: float, rule: AdaptiveSection):
         self.current, self.tau, self.rule = start, tau, rule
+        self.evidence: dict[str, float] = {}  # the last observation's cheaper-rung tails, as metrics
 
     def schedule(self) -> Schedule:
         return self.current.schedule()
@@ -79,8 +82,13 @@ class AdaptiveSchedule(ScheduleController):
         their cached lengths `positions`: each bin's move. Returns what moved."""
         size, rule = self.current.bin_size, self.rule
         positions = np.asarray(positions).astype(np.int64)
-        self.current, moved = update(self.current, by_bin(current, positions, size), by_bin(cheaper, positions, size),
-                                     self.tau, rule.margin, rule.patience, rule.min_tokens)
+        lower = by_bin(cheaper, positions, size)
+        self.evidence = {}
+        for b, (p5, low) in cheaper_tails(self.current, lower, rule.min_tokens).items():
+            self.evidence[f"adaptive/bin_{b * size}/cheaper_p5"] = p5
+            self.evidence[f"adaptive/bin_{b * size}/cheaper_p5_low"] = low
+        self.current, moved = update(self.current, by_bin(current, positions, size), lower, self.tau, rule.margin,
+                                     rule.patience, rule.min_tokens)
         return moved
 
     def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
@@ -89,6 +97,7 @@ class AdaptiveSchedule(ScheduleController):
             return []
         moved = self.observe(done.exact.cpu().numpy(), done.measured["cheaper"].cpu().numpy(),
                              done.exact_at.cpu().numpy())
+        metrics.update(self.evidence)
         return [f"step {step}: adaptive schedule: {event}" for event in moved]
 
     def state(self) -> dict:

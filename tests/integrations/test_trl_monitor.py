@@ -135,7 +135,9 @@ def test_the_adaptive_schedule_drives_rl_adaptive_unchanged_and_writes_versions(
     schedule, version = read_schedule_file(path)
     assert version == 2 and list(schedule.budgets) == expected.budgets == [256, 64]
     assert runtime.metrics(2) == {"sparrow/schedule_version": 2.0, "adaptive/bin_0/budget": 256.0,
-                                  "adaptive/bin_256/budget": 64.0}
+                                  "adaptive/bin_256/budget": 64.0,  # the budgets written next and the tails one
+                                  "adaptive/bin_0/cheaper_p5": 0.4, "adaptive/bin_0/cheaper_p5_low": 0.4,  # rung
+                                  "adaptive/bin_256/cheaper_p5": 0.99, "adaptive/bin_256/cheaper_p5_low": 0.99}
     follower = RunTimeSchedule(config, tmp_path / "other.json", 512, writer=False)
     follower.update(current, cheaper, positions)
     assert follower.state == runtime.state and not (tmp_path / "other.json").exists()  # only the writer writes

@@ -3,8 +3,10 @@ and that their saved state restores them."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from sparrow.measure.tail import quantile_interval
 from sparrow.rl.adaptive import start_state
 from sparrow.rl.config import AdaptiveSection
 from sparrow.rl.controllers import AdaptiveSchedule, FixedSchedule
@@ -27,9 +29,33 @@ def test_the_adaptive_controller_raises_a_bin_below_tau_logs_it_and_restores_fro
     done = SimpleNamespace(exact=low, exact_at=torch.arange(20), measured={"cheaper": low})
     metrics = {}
     events = adaptive.after_step(3, done, metrics)
-    assert metrics == {"adaptive/bin_0/budget": 64, "adaptive/bin_128/budget": 64}  # the budgets in force
+    # the budgets in force, and bin 0's tail one rung cheaper (48 tokens: every token 0.5; 20 tokens cannot bound a
+    # 5th percentile from below, so the interval's lower end is 0), the evidence a move down waits on; bin 128
+    # measured nothing
+    assert metrics == {"adaptive/bin_0/budget": 64, "adaptive/bin_128/budget": 64,
+                       "adaptive/bin_0/cheaper_p5": 0.5, "adaptive/bin_0/cheaper_p5_low": 0.0}
     assert len(events) == 1 and events[0].startswith("step 3: adaptive schedule: bin [0, 128)")
     assert adaptive.schedule().budgets == (128, 64)  # the next rung of the ladder (48, 64, 128, 256)
     again = AdaptiveSchedule(start_state(const(64), 128, 256, 16, 3), 0.9, RULE)
     again.restore(adaptive.state())
     assert again.schedule() == adaptive.schedule()
+
+
+def test_the_adaptive_controller_logs_the_cheaper_rungs_tail_it_moves_down_on():
+    adaptive = AdaptiveSchedule(start_state(const(64), 128, 256, 16, 3), 0.9, RULE)
+    positions = torch.cat([torch.arange(100), 128 + torch.arange(5)])  # 100 tokens in bin 0, 5 in bin 128
+    current = torch.full((105,), 0.97)  # tau holds under the schedule in force
+    cheaper = torch.cat([torch.linspace(0.92, 1.0, 100), torch.linspace(0.5, 1.0, 5)])
+    done = SimpleNamespace(exact=current, exact_at=positions, measured={"cheaper": cheaper})
+    metrics = {}
+    events = adaptive.after_step(1, done, metrics)
+    low, p5, _ = quantile_interval(cheaper[:100].numpy())
+    assert metrics["adaptive/bin_0/cheaper_p5"] == pytest.approx(p5)
+    assert metrics["adaptive/bin_0/cheaper_p5_low"] == pytest.approx(low)
+    assert "adaptive/bin_128/cheaper_p5" not in metrics  # too few tokens to decide on
+    # with margin 0 and patience 1 the cheaper rung's lower end above tau moves bin 0 down to 48 at once
+    assert low >= 0.9 and len(events) == 1 and "budget down to 48" in events[0]
+    metrics = {}
+    bottom = SimpleNamespace(exact=current[:100], exact_at=torch.arange(100), measured={"cheaper": current[:100]})
+    adaptive.after_step(2, bottom, metrics)
+    assert "adaptive/bin_0/cheaper_p5" not in metrics  # at the ladder's first rung there is no cheaper one
