@@ -18,6 +18,8 @@ from .config import MonitorSection, StepConfig
 from .losses import tis_stats
 from .step import StepBatch, check_samples
 
+PRACTICAL_RATIO = 1000  # an undecided bin needing more than this many times its tokens sits at tau
+
 
 def bound_metrics(bounds: torch.Tensor, positions: torch.Tensor, monitor: MonitorSection,
                   sparse: bool = True) -> tuple[dict, list[str]]:
@@ -48,7 +50,8 @@ def bound_metrics(bounds: torch.Tensor, positions: torch.Tensor, monitor: Monito
 
 def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: MonitorSection) -> tuple[dict, list[str]]:
     """Per length bin: the exact p5 with its 95% interval, mean and share > 0.999; a warning for each bin whose
-    interval lies below tau, and for each undecided one with the number of tokens that would decide it."""
+    interval lies below tau, and for each undecided one with the number of tokens that would decide it (or that it
+    sits at tau, when no run would measure that many)."""
     tails = bin_tails(alpha.cpu().numpy(), positions.cpu().numpy(), monitor.bin_size, monitor.tau)
     a = alpha.double()
     metrics = {"mismatch/exact/p5": float(torch.quantile(a, 0.05)), "mismatch/exact/p1": float(torch.quantile(a, 0.01)),
@@ -64,8 +67,10 @@ def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: Monitor
         if t.verdict == "below":
             warnings.append(f"{where} is below tau {monitor.tau}: {interval}")
         elif t.verdict == "undecided":
-            more = (f"about {t.tokens_to_decide} more tokens would decide it" if t.tokens_to_decide is not None
-                    else "it sits at tau")
+            more = ("it sits at tau" if t.tokens_to_decide is None
+                    else f"it sits at tau (over {PRACTICAL_RATIO} times the tokens measured would decide it)"
+                    if t.tokens_to_decide > PRACTICAL_RATIO * t.count
+                    else f"about {t.tokens_to_decide} more tokens would decide it")
             warnings.append(f"{where} is undecided against tau {monitor.tau}: {interval}; {more}")
     return metrics, warnings
 

@@ -121,6 +121,10 @@ def test_exact_warnings_say_below_only_when_the_interval_is_below_and_count_toke
     more = int(undecided[0].split("about ")[1].split(" ")[0])
     # at 6% below tau the binomial test against 5% needs about 1.96^2 * 0.0475 / 0.01^2 = 1825 tokens
     assert more == math.ceil(1.959964 ** 2 * 0.05 * 0.95 / 0.01 ** 2 - 100)
+    # 50 of 1001 below tau: a share of 4.995% would need ~7e7 more tokens: it sits at tau, no count printed
+    at_tau = torch.cat([torch.full((50,), 0.5), torch.full((951,), 0.95)])
+    _, undecided = exact_metrics(at_tau, torch.zeros(1001, dtype=torch.long), monitor)
+    assert len(undecided) == 1 and "it sits at tau (over 1000 times the tokens measured" in undecided[0]
 
 
 def test_bound_warnings_say_whether_a_bin_is_below_tau_or_only_may_be():
