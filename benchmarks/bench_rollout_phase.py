@@ -4,7 +4,8 @@ measured alternately in one process so that every configuration sees the same ma
 Each prompt is rolled out `--samples` times per configuration, the configurations one after another per prompt
 (the training rollout: one group per call, `NativeBackend.generate`). A configuration is a schedule, with `+adapter`
 for the sparse actor with the LoRA adapter of `--adapter` on (DistillSparse; without it the adapter is off) and
-`+exactK` for exact mode drafting K tokens per verification (the tokens are then dense's: `identical` counts them).
+`+exactK` for exact mode drafting K tokens per verification (the tokens are then dense's: `identical` counts them),
+`+pageN` for KV pages of N tokens instead of 16 (an engine of its own).
 
     .venv/bin/python benchmarks/bench_rollout_phase.py --prompts runs/bench/promise/train.jsonl --count 4 \
         --model CKPT --adapter CKPT/adapter --configs dense,0:1024+adapter,0:1024
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 
@@ -44,35 +46,44 @@ def main() -> None:
     from sparrow.rewards.scoring import score_examples
     from sparrow.models import load_model
     from sparrow.rollout import NativeBackend
+    from sparrow.attention import SparseConfig
     from sparrow.schedules import DENSE, parse_schedule
 
-    def parse(config: str) -> tuple[str, bool, int | None]:
+    def parse(config: str) -> tuple[str, bool, int | None, int]:
         spec, *flags = config.split("+")
+        unknown = [f for f in flags if f != "adapter" and not re.fullmatch(r"(exact|page)\d+", f)]
+        if unknown:
+            raise SparrowError(f"configuration {config!r}: unknown flag(s) {unknown}; expected adapter, exactK, pageN")
         exact = [int(f.removeprefix("exact")) for f in flags if f.startswith("exact")]
-        return spec, "adapter" in flags, exact[0] if exact else None
+        page = [int(f.removeprefix("page")) for f in flags if f.startswith("page")]
+        return spec, "adapter" in flags, exact[0] if exact else None, page[0] if page else SparseConfig().page_size
 
     configs = [parse(c) for c in args.configs.split(",")]
-    if any(on for _, on, _ in configs) and not args.adapter:
+    if any(on for _, on, _, _ in configs) and not args.adapter:
         raise SparrowError("a +adapter configuration needs --adapter DIR")
-    schedules = {spec: parse_schedule(spec) for spec, _, _ in configs}
+    sparse_of = {page: SparseConfig(page_size=page) for *_, page in configs}
+    schedules = {(spec, page): parse_schedule(spec, page, sparse_of[page].always_kept_pages)
+                 for spec, _, _, page in configs}
     reward_fns = [(args.reward, load_reward(args.reward), 1.0)] if args.reward else None
     model, tok = load_model(args.model)
     if args.adapter:
         model = load_adapter(model, args.adapter)
-    backend = NativeBackend(model, tok)
+    backends = {page: NativeBackend(model, tok, sparse) for page, sparse in sparse_of.items()}
     examples = load_examples(DataSpec(args.prompts))[: args.count]
     totals = {c: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "verify_s": 0.0, "rewards": []}
               for c in args.configs.split(",")}
     with torch.no_grad():  # untimed: first-use costs (weight packing, allocations)
-        backend.generate([examples[0].prompt], SamplingParams(max_new_tokens=2, top_p=args.top_p), DENSE, 1)
+        for backend in backends.values():
+            backend.generate([examples[0].prompt], SamplingParams(max_new_tokens=2, top_p=args.top_p), DENSE, 1)
     for i, ex in enumerate(examples):
         dense_tokens = None
-        for name, (spec, adapter, draft) in zip(totals, configs, strict=True):
+        for name, (spec, adapter, draft, page) in zip(totals, configs, strict=True):
+            backend = backends[page]
             sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_p=args.top_p, seed=args.seed + i, num_logprobs=args.num_logprobs)
             began = time.perf_counter()
             with torch.no_grad():
-                out = backend.generate([ex.prompt], sampling, schedules[spec], args.samples, adapter=adapter,
+                out = backend.generate([ex.prompt], sampling, schedules[spec, page], args.samples, adapter=adapter,
                                        draft_tokens=draft)
             seconds = time.perf_counter() - began
             tokens = sum(len(c.token_ids) for c in out)
@@ -83,7 +94,7 @@ def main() -> None:
                 t[f"{phase}_s"] += backend.timing.get(phase, 0.0)
             row = {"prompt": i, "config": name, "tokens": tokens, "seconds": round(seconds, 2),
                    "tokens_per_s": round(tokens / seconds, 2)}
-            if spec == "dense" and not adapter and draft is None:
+            if spec == "dense" and not adapter and draft is None and dense_tokens is None:
                 dense_tokens = [c.token_ids for c in out]
             if draft is not None and dense_tokens is not None:
                 row["identical"] = sum(c.token_ids == d for c, d in zip(out, dense_tokens))

@@ -24,4 +24,5 @@ F=benchmarks/longanswer/grpo-2026-12-06  # both seeds again without the sampler 
     "$G/seed1/sparse-0-2048=$G/seed1/dense=long answers 0:2048, seed 1" \
     "$F/seed0/sparse-0-2048=$F/seed0/dense=long answers 0:2048, seed 0 (2026-12-06)" \
     "$F/seed1/sparse-0-2048=$F/seed1/dense=long answers 0:2048, seed 1 (2026-12-06)" \
+    "$F/seed0/adaptive-from-0-2048=$F/seed0/dense=long answers adaptive from 0:2048, seed 0 (2026-12-06)" \
     "$@" --extra benchmarks/earlier-threshold-runs.json
