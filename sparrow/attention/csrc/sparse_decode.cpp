@@ -570,25 +570,12 @@ torch::Tensor decode_any_dim(const Step& st, const Pages& pages) {
   }
 }
 
-// q [B, H, G, D]; keys/values [B, H, P, S, D]; marks: [centroid] or [kmin, kmax], each [B, H, P, D];
-// n_pages, budget_pages, total: [B] int64.
-torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::vector<torch::Tensor> marks,
-                            torch::Tensor n_pages, torch::Tensor budget_pages, torch::Tensor total, int64_t sink,
-                            int64_t recent, double scale) {
-  const Step st = make_step(q, keys, std::move(marks), n_pages, budget_pages, total, sink, recent, scale);
-  TORCH_CHECK(values.scalar_type() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(values.is_contiguous(), "cache must be contiguous");
-  const int64_t P = keys.size(2);
-  for (auto& m : st.marks) TORCH_CHECK(m.size(2) == P, "landmarks must match the cache");
-  const ContiguousPages pages{keys.data_ptr<float>(), values.data_ptr<float>(), st.m0, st.m1, st.H, P,
-                              keys.size(3), st.D};
-  return decode_any_dim(st, pages);
-}
-
-// Several new tokens per row at once (the dense verification of drafted tokens): q [B, H, G * span, D], query row
-// g * span + s for token s of the span, whose keys/values are the last `span` of each row's `total` tokens; token s
-// attends to the first total - (span - 1 - s). Kept pages are ascending and hold the span's tokens last, so a
-// token's future ones are the last scored of its row. Other arguments as sparse_decode (dense: budget = n_pages).
+// `span` new tokens per row at once (one for a decode step, several for the dense verification of drafted tokens,
+// whose budget is n_pages): q [B, H, G * span, D], query row g * span + s for token s of the span, whose keys/values
+// are the last `span` of each row's `total` tokens; token s attends to the first total - (span - 1 - s). Kept pages
+// are ascending and hold the span's tokens last, so a token's future ones are the last scored of its row.
+// keys/values [B, H, P, S, D]; marks: [centroid] or [kmin, kmax], each [B, H, P, D]; n_pages, budget_pages, total:
+// [B] int64.
 torch::Tensor span_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::vector<torch::Tensor> marks,
                           torch::Tensor n_pages, torch::Tensor budget_pages, torch::Tensor total, int64_t sink,
                           int64_t recent, double scale, int64_t span) {
@@ -602,6 +589,13 @@ torch::Tensor span_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor val
   const ContiguousPages pages{keys.data_ptr<float>(), values.data_ptr<float>(), st.m0, st.m1, st.H, P,
                               keys.size(3), st.D};
   return decode_any_dim(st, pages);
+}
+
+// One new token per row (q [B, H, G, D]): span_decode with a span of 1.
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values, std::vector<torch::Tensor> marks,
+                            torch::Tensor n_pages, torch::Tensor budget_pages, torch::Tensor total, int64_t sink,
+                            int64_t recent, double scale) {
+  return span_decode(q, keys, values, std::move(marks), n_pages, budget_pages, total, sink, recent, scale, 1);
 }
 
 // The same step over vLLM's CPU paged cache kv_cache [blocks, H, block, 2 D] (see PagedPages): q [R, H, G, D];
