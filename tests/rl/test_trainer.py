@@ -258,14 +258,16 @@ def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_
     full, split = tmp_path / "full", tmp_path / "split"
     logged = []
     history = train(_config(data, full, **options), log=logged.append)
-    budgets = [{k: v for k, v in h.items() if k.startswith("adaptive/")} for h in history]
+    budgets = [{k: v for k, v in h.items() if k.startswith("adaptive/") and k.endswith("/budget")} for h in history]
     assert budgets[0] and all(set(b) == set(budgets[0]) for b in budgets)
+    evidence = [v for h in history for k, v in h.items() if k.startswith("adaptive/") and "/cheaper_p5" in k]
+    assert evidence and all(0.0 <= v <= 1.0 for v in evidence)  # the tails one rung cheaper, logged beside them
     assert any("budget down" in line for line in logged)  # tau 0.5 is easy: budgets fall toward the ladder's foot
     assert min(min(b.values()) for b in budgets) >= 48  # never below the always-kept pages
     assert (full / "schedule.png").stat().st_size > 1000 and "schedule.png" in (full / "report.md").read_text()
     train(_config(data, split, **{**options, "steps": 2}), log=lambda *_: None)
     resumed = train(_config(data, split, **{**options, "resume": True}), log=lambda *_: None)
-    assert {k: v for k, v in resumed[0].items() if k.startswith("adaptive/")} == budgets[2]
+    assert {k: v for k, v in resumed[0].items() if k.startswith("adaptive/") and k.endswith("/budget")} == budgets[2]
     a, b = _weights(full / "checkpoint-3"), _weights(split / "checkpoint-3")
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SparrowError, match="needs monitor exact"):
