@@ -3,7 +3,7 @@
 # (examples/longanswer-prompts.yaml: ~3.4K-token prompts, answers of up to ~1.3K tokens copying a 128-code manifest,
 # temperature 1, top-p 0.9), so decode is most of a rollout. Two steps on sparse rollouts at the calibrated schedule
 # (examples/smollm2-longanswer.yaml), the same two on dense rollouts, then one report whose "step speed vs dense"
-# is the whole training step's. About 50 minutes on 2 CPU cores; each step prints a line, and on a terminal
+# is the whole training step's. 30-50 minutes on 2 CPU cores; each step prints a line, and on a terminal
 # its rollouts show a progress bar.
 set -euo pipefail
 cd "$(dirname "$0")/.."
