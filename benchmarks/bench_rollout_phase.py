@@ -38,6 +38,7 @@ def main() -> None:
 
     import torch
 
+    from sparrow.attention import SparseConfig
     from sparrow.datasets import DataSpec, load_examples
     from sparrow.engine import SamplingParams
     from sparrow.errors import SparrowError
@@ -46,7 +47,6 @@ def main() -> None:
     from sparrow.rewards.scoring import score_examples
     from sparrow.models import load_model
     from sparrow.rollout import NativeBackend
-    from sparrow.attention import SparseConfig
     from sparrow.schedules import DENSE, parse_schedule
 
     def parse(config: str) -> tuple[str, bool, int | None, int]:

@@ -67,10 +67,12 @@ def exact_metrics(alpha: torch.Tensor, positions: torch.Tensor, monitor: Monitor
         if t.verdict == "below":
             warnings.append(f"{where} is below tau {monitor.tau}: {interval}")
         elif t.verdict == "undecided":
-            more = ("it sits at tau" if t.tokens_to_decide is None
-                    else f"it sits at tau (over {PRACTICAL_RATIO} times the tokens measured would decide it)"
-                    if t.tokens_to_decide > PRACTICAL_RATIO * t.count
-                    else f"about {t.tokens_to_decide} more tokens would decide it")
+            if t.tokens_to_decide is None:
+                more = "it sits at tau"
+            elif t.tokens_to_decide > PRACTICAL_RATIO * t.count:
+                more = f"it sits at tau (over {PRACTICAL_RATIO} times the tokens measured would decide it)"
+            else:
+                more = f"about {t.tokens_to_decide} more tokens would decide it"
             warnings.append(f"{where} is undecided against tau {monitor.tau}: {interval}; {more}")
     return metrics, warnings
 
