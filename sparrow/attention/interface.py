@@ -74,12 +74,19 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def can_route_attention(model) -> bool:
+    """Whether `enable_sparse_attention` can route the model's attention through Sparrow."""
+    inner = base_model(model)
+    return (inner.config._attn_implementation == IMPLEMENTATION
+            or getattr(inner, "_can_set_attn_implementation", lambda: False)())
+
+
 def enable_sparse_attention(model) -> None:
     """Route the model's attention through Sparrow (idempotent); fails clearly for models that cannot."""
     inner = base_model(model)
     if inner.config._attn_implementation == IMPLEMENTATION:
         return
-    if not getattr(inner, "_can_set_attn_implementation", lambda: False)():
+    if not can_route_attention(model):
         raise SparrowError(
             f"{type(inner).__name__} does not route attention through the transformers attention interface, "
             "so Sparrow cannot make it sparse"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_kernel, prefix_attention
 from .config import SparseConfig
 from .kv_cache import DecodeStep, KVCache, SpanStep
 from .selection import select_pages
@@ -110,6 +110,8 @@ def teacher_forced_attention(query, key, value, layer: int, sparse: SparseConfig
     offset = length - q_len
     position = torch.arange(offset, length, device=query.device)
     if budget_pages is None or layer in sparse.dense_layers:
+        if offset and prefix_attention.usable(query):
+            return prefix_attention.prefix_causal_attention(query, key, value, scaling).transpose(1, 2)
         causal = torch.arange(length, device=query.device) <= position[:, None] if offset else None
         out = attend(query, key, value, attn_mask=causal, is_causal=not offset, scale=scaling)
         return out.transpose(1, 2)

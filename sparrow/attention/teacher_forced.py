@@ -7,7 +7,7 @@ import torch
 from sparrow.schedules import Schedule
 
 from .config import SparseConfig
-from .interface import CONTEXT_KEY, AttentionContext, enable_sparse_attention
+from .interface import CONTEXT_KEY, AttentionContext, base_model, can_route_attention, enable_sparse_attention
 
 
 def sparse_forward(model, input_ids: torch.Tensor, prompt_lengths: torch.Tensor, schedule: Schedule,
@@ -48,6 +48,22 @@ def shared_prompt_logits(model, input_ids: torch.Tensor, prompt_length: int, **c
     return _completion_logits(model, first.logits, repeated, input_ids, prompt_length, **continuation_kwargs)
 
 
+def plain_cache(model) -> bool:
+    """Whether every layer of `model`'s cache is a plain dynamic one (no sliding window): its completions may be
+    teacher-forced after a shared prompt cache with Sparrow's attention."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=base_model(model).config).layers)
+
+
+def _dense_context(model, rows: int, prompt_length: int, device) -> AttentionContext:
+    """The dense teacher-forced context: right-padded completions after a shared prompt attend causally, which
+    `prefix_attention` does without a mask on CPU (right padding changes only the padded positions' outputs)."""
+    enable_sparse_attention(model)
+    lengths = torch.full((rows,), prompt_length, device=device)
+    return AttentionContext("teacher_forced", SparseConfig(), prompt_lengths=lengths)
+
+
 def _completion_logits(model, first_logits: torch.Tensor, cache_for, input_ids: torch.Tensor, prompt_length: int,
                        **continuation_kwargs) -> torch.Tensor:
     """The prompt's last logits [1, 1, V] for every row, then the completions' forward over `cache_for(G)` (the
@@ -56,6 +72,8 @@ def _completion_logits(model, first_logits: torch.Tensor, cache_for, input_ids: 
     logits = first_logits.expand(g, -1, -1)
     if length - 1 <= prompt_length:
         return logits
+    if CONTEXT_KEY not in continuation_kwargs and can_route_attention(model) and plain_cache(model):
+        continuation_kwargs[CONTEXT_KEY] = _dense_context(model, g, prompt_length, input_ids.device)
     rest = model(input_ids=input_ids[:, prompt_length:-1], past_key_values=cache_for(g), use_cache=True,
                  **continuation_kwargs)
     return torch.cat([logits, rest.logits], dim=1)
@@ -73,9 +91,7 @@ class SharedPrompt:
     """
 
     def __init__(self, model, prompt_ids: torch.Tensor):
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-
-        self.supported = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        self.supported = plain_cache(model)
         self._roots, self._leaves = [], []
         if self.supported:
             first = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
