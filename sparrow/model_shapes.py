@@ -7,6 +7,7 @@ on this machine, and the vLLM backend checks a model's head size and KV bytes be
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,5 +128,17 @@ def model_config(spec: str):
 
 
 def model_dims(spec: str) -> ModelDims:
-    """The cost model's dimensions of a model name or directory."""
-    return ModelDims.from_config(model_config(spec))
+    """The cost model's dimensions of a model name or directory (whose config.json must give every shape field:
+    transformers fills a missing one with its default Llama's, which would price another model)."""
+    config = model_config(spec)
+    path = Path(spec).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            given = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise SparrowError(f"cannot read {str(path)!r}: {err}") from None
+        missing = [name for name in _CONFIG_FIELDS if name not in given and name != "num_key_value_heads"]
+        if missing:  # (no num_key_value_heads: every head has its own, which the default says)
+            raise SparrowError(f"{str(path)!r} has no {', '.join(map(repr, missing))}: the cost model would price "
+                               "transformers' default sizes instead of this model's")
+    return ModelDims.from_config(config)

@@ -91,6 +91,8 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise SparrowError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SparrowError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SparrowError(f"device {name!r} asked for, but CUDA is not available here")
     return device

@@ -106,6 +106,7 @@ class SparseSection:
 
 
 ROLLOUT_MODES = ("sparse", "exact", "dense")
+DEFAULT_DRAFT_TOKENS = 4
 
 
 @dataclass
@@ -115,8 +116,8 @@ class ScheduledSparseSection(SparseSection):
     schedule: str = option("dense", SCHEDULE_HELP)
     rollout_mode: str = option("sparse", "sparse: decode with the schedule; exact: the schedule drafts, the dense "
                                "policy verifies (its own samples, token for token); dense: the dense schedule")
-    draft_tokens: int = option(4, "exact mode: tokens the schedule drafts per dense verification (0: auto, each "
-                               "round's length from the measured acceptance and step times)")
+    draft_tokens: int = option(DEFAULT_DRAFT_TOKENS, "exact mode: tokens the schedule drafts per dense verification "
+                               "(0: auto, each round's length from the measured acceptance and step times)")
     parsed_schedule: Schedule | None = _parsed()
 
     def validate(self) -> None:
@@ -131,6 +132,9 @@ class ScheduledSparseSection(SparseSection):
         if self.rollout_mode not in ROLLOUT_MODES:
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
         check_draft_tokens(self.draft_tokens)
+        if self.draft_tokens != DEFAULT_DRAFT_TOKENS and not self.exact:  # refused rather than ignored
+            raise SparrowError(f"--draft-tokens {self.draft_tokens} sets exact mode's drafts: it needs "
+                               "--rollout-mode exact")
 
     @property
     def exact(self) -> bool:

@@ -232,6 +232,10 @@ def _parse(spec: str, page_size: int) -> Schedule:
     if spec.endswith(".json") or os.sep in spec or "/" in spec or Path(spec).is_file():
         return _read_file(Path(spec), page_size)[0]
     if ":" in spec:
+        head = spec.split(":", 1)[0].strip()
+        if head and not head.lstrip("+-").isdigit() and "," not in head:
+            raise SparrowError(f"unknown schedule kind {head!r} in {spec!r}: expected {_FORMS}, a preset name "
+                               f"({', '.join(presets)}) or a JSON file")
         return _parse_pairs(spec)
     raise SparrowError(f"unknown schedule {spec!r}: expected {_FORMS}, a preset name "
                        f"({', '.join(presets)}) or a JSON file")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from tqdm import std as tqdm_std
 from transformers.utils import logging as hf_logging
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_error(args.command, "standard output is closed; redirect it to a file or /dev/null instead")
         return EXIT_BAD_INPUT
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
+    warnings.showwarning = _show_warning
     try:
         check_environment()
         code = args.run(args) or 0
@@ -55,6 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_error(args.command, "interrupted", prefix="")
         return EXIT_INTERRUPTED
+
+
+_default_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Sparrow's own warnings as the one line they are ("sparrow: ..."), without Python's source location;
+    other libraries' as Python shows them."""
+    text = str(message)
+    if text.startswith("sparrow: "):
+        print(f"warning: {text[len('sparrow: '):]}", file=file or sys.stderr)
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
 
 
 def check_environment() -> None:

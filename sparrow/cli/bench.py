@@ -126,6 +126,11 @@ def run(args) -> int:
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
+    schedule, longest = config.sparse.parsed_schedule, cache_tokens(config.context, config.warmup, config.steps)
+    if all(schedule.budget_at(n) >= n for n in range(config.context, longest + 1)):
+        log(f"warning: {schedule.name} keeps every cached token at these lengths ({config.context}-{longest}): "
+            "the sparse decode reads the whole cache as the dense one does, so their ratio is noise; give a longer "
+            "--context or a smaller budget to measure sparsity")
     if config.sparse.exact:
         return _run_exact(config, engine, log)
     result = run_benchmark(engine, config.sparse.parsed_schedule, config.context, config.batch, config.steps,

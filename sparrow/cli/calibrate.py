@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
@@ -45,6 +46,9 @@ class CalibrateConfig:
             raise SparrowError("give --profile DIR/profile.json (made by 'sparrow profile')")
         require_file(self.profile, "profile")
         check_output(self.out, "output file", directory=False)
+        if os.path.exists(self.out) and os.path.samefile(self.out, self.profile):
+            raise SparrowError(f"--out {self.out!r} is the profile itself: writing the schedule there would replace "
+                               "the profile; give another --out (e.g. schedule.json)")
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
         self.machine.validate()

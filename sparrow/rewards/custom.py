@@ -33,7 +33,7 @@ def _import_file(path: str):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit() at import would end the run without a word
         del sys.modules[name]
         raise SparrowError(f"importing reward file {path!r} failed: {type(exc).__name__}: {exc}") from exc
     return module

@@ -323,6 +323,11 @@ class TrainConfig:
         if given.get("eval_at_start") and self.eval.data is None:
             raise SparrowError("eval_at_start scores the held-out set before the first step, and there is none: give "
                                "--eval-data FILE as well, or drop --eval-at-start")
+        for names, used, needs in self._dependent_options():
+            for name in names:
+                if name in given and not used:
+                    raise SparrowError(f"{name} {given[name]!r} does nothing without {needs}: give it as well, or "
+                                       f"drop {name}")
         monitor, grpo = self.monitor, self.grpo
         if "min_retention" in given and monitor.min_retention > 1:
             raise SparrowError(f"min_retention must be in (0, 1] as calibrate's, got {monitor.min_retention}: it is "
@@ -335,6 +340,19 @@ class TrainConfig:
             raise SparrowError(f"reward_check_prompts {monitor.reward_check_prompts} exceeds prompts_per_step "
                                f"{grpo.prompts_per_step}: the reward check draws from the prompts of a step; expected "
                                f"at most {grpo.prompts_per_step}")
+
+    def _dependent_options(self) -> list[tuple[tuple[str, ...], bool, str]]:
+        """Options that only act under another one: (their names, whether that one is in force, what it is)."""
+        return [
+            (("adaptive_start", "adaptive_margin", "adaptive_patience", "adaptive_min_tokens"), self.parsed.adaptive,
+             "schedule adaptive"),
+            (("eval_every", "eval_generations", "eval_schedule"), self.eval.data is not None, "eval_data"),
+            (("distill_lr", "distill_rank", "distill_alpha", "distill_targets", "distill_dropout", "distill_lambda",
+              "distill_kl"), self.distill.enabled, "distill (the adapter)"),
+            (("probe_every", "probe_prompts", "probe_patience"), self.distill.switch_schedule is not None,
+             "switch_schedule (what the probes test)"),
+            (("kl_estimator",), self.grpo.kl_coef > 0, "kl_coef above 0"),
+        ]
 
     def step_config(self) -> StepConfig:
         """The sections one GRPO step reads."""

@@ -88,6 +88,8 @@ def _resume_point(config: TrainConfig, out: Path, data: dict, log) -> tuple[int,
         return None
     found = latest_valid_checkpoint(out, log)
     if found is None:  # killed before its first checkpoint: the run starts over, its logs too
+        what = "a run killed before its first checkpoint" if (out / "metrics.jsonl").exists() else "no run"
+        log(f"--resume: {out} holds {what}; starting at step 0")
         repair_metrics(out / "metrics.jsonl", 0, log)
         repair_metrics(out / "eval.jsonl", -1, log)
         return None

@@ -91,6 +91,16 @@ def test_a_binary_torn_tail_of_the_metrics_log_is_cut_off_as_any_torn_line(tmp_p
     assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
+def test_a_torn_metrics_line_is_one_warning_line_in_report(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/m')
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"warning: {run / 'metrics.jsonl'}:1: skipped a torn last line (a write cut short, e.g. by a kill)"
+    assert err[1].startswith("sparrow report: error: ") and len(err) == 2
+
+
 # 2. a full disk while a checkpoint is written
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_from_the_previous(tmp_path, monkeypatch,

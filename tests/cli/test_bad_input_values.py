@@ -25,6 +25,11 @@ def files(tmp_path_factory) -> Path:
                                              for i in range(4)))
     (root / "rewards.py").write_text("def one_value(prompts, completions, **kw):\n    return [1.0]\n\n"
                                      "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(prompts)\n")
+    (root / "exits.py").write_text("import sys\nsys.exit(3)\n\ndef f(prompts, completions, **kw):\n"
+                                   "    return [0.0] * len(completions)\n")
+    (root / "shapeless").mkdir()
+    (root / "shapeless" / "config.json").write_text('{"model_type": "llama"}')
+    (root / "profile.json").write_text("{}")
     model, tokenizer = models.load_model("tiny-qwen3")
     model.save_pretrained(root / "hf-no-tokenizer")
     with torch.no_grad():
@@ -73,6 +78,29 @@ CASES = [
     ("bench-nan-weights", ["bench", "--model", "{files}/hf-nan", "--context", "64", "--steps", "2", "--repeats", "1"],
      NAN, False),
     ("train-nan-weights", [*TRAIN[:2], "{files}/hf-nan", *TRAIN[3:]], NAN, False),
+    # third audit (2026-12-06): a device torch names but cannot use, options that would do nothing, a schedule kind
+    # misspelled, a reward file that exits, a config.json without the model's sizes, --out onto the profile
+    ("generate-device-mps", GEN + ["--prompt", "x", "--device", "mps"],
+     "unknown device 'mps': expected cpu, cuda, cuda:N or auto", True),
+    ("generate-draft-tokens-without-exact", GEN + ["--prompt", "x", "--schedule", "const:48", "--draft-tokens", "3"],
+     "--draft-tokens 3 sets exact mode's drafts: it needs --rollout-mode exact", True),
+    ("schedule-kind-misspelled", ["schedule", "show", "CONST:48"], "unknown schedule kind 'CONST' in 'CONST:48'", True),
+    ("train-adaptive-start-without-adaptive", TRAIN + ["--adaptive-start", "const:64"],
+     "adaptive_start 'const:64' does nothing without schedule adaptive", True),
+    ("train-eval-every-without-eval-data", TRAIN + ["--eval-every", "3"],
+     "eval_every 3 does nothing without eval_data", True),
+    ("train-distill-lr-without-distill", TRAIN + ["--distill-lr", "0.5"],
+     "distill_lr 0.5 does nothing without distill (the adapter)", True),
+    ("train-probe-every-without-switch", TRAIN + ["--probe-every", "2"],
+     "probe_every 2 does nothing without switch_schedule", True),
+    ("train-kl-estimator-without-kl", TRAIN + ["--kl-estimator", "k1"],
+     "kl_estimator 'k1' does nothing without kl_coef above 0", True),
+    ("train-reward-file-exits", TRAIN + ["--reward", "{files}/exits.py:f"],
+     "exits.py' failed: SystemExit: 3", True),
+    ("cost-config-without-sizes", ["cost", "--model", "{files}/shapeless", "--schedule", "const:48"],
+     "has no 'num_hidden_layers', 'hidden_size', 'num_attention_heads', 'intermediate_size', 'vocab_size'", True),
+    ("calibrate-out-onto-profile", ["calibrate", "--profile", "{files}/profile.json", "--out", "{files}/profile.json"],
+     "is the profile itself", True),
 ]
 
 

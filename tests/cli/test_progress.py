@@ -16,6 +16,14 @@ def test_bench_reports_each_phase_on_stderr_and_only_its_record_on_stdout(capsys
     assert any("repeat 2/2:" in line for line in lines)
 
 
+def test_bench_warns_when_the_budget_covers_every_length_it_decodes(capsys):
+    argv = ["bench", "--model", "tiny-llama", "--batch", "1", "--steps", "2", "--repeats", "1", "--no-hf", "--json"]
+    assert main(argv + ["--context", "16", "--schedule", "const:48"]) == 0
+    assert "warning: const:48 keeps every cached token at these lengths (16-23)" in capsys.readouterr().err
+    assert main(argv + ["--context", "64", "--schedule", "const:48"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_bench_in_exact_mode_says_how_many_sequences_equal_dense(capsys):
     assert main(["bench", "--model", "tiny-qwen3", "--context", "160", "--batch", "2", "--steps", "4",
                  "--repeats", "1", "--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "2"]) == 0

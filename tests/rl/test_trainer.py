@@ -70,6 +70,13 @@ def test_an_existing_run_is_not_overwritten_without_resume(data, tmp_path):
         train(_config(data, tmp_path / "run", steps=1), log=lambda *_: None)
 
 
+def test_resume_of_a_directory_without_a_run_says_it_starts_at_step_0(data, tmp_path):
+    """A mistyped --resume path starts a new run (a job restarted before its first checkpoint must too), but says so."""
+    lines = []
+    train(_config(data, tmp_path / "typo", steps=1, resume=True), log=lines.append)
+    assert f"--resume: {tmp_path / 'typo'} holds no run; starting at step 0" in lines
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"data": "missing.jsonl"}, "does not exist"),
     ({"reward": ["nope_module:fn"]}, "nope_module"),
