@@ -45,10 +45,10 @@ def _check_spec(spec: DataSpec) -> Path:
     for name in ("prompt_field", "answer_field"):
         value = getattr(spec, name)
         if not isinstance(value, str) or not value:
-            raise SparrowError(f"DataSpec.{name} must be a non-empty field name, got {value!r}")
+            raise SparrowError(f"{name} must be a non-empty field name, got {value!r}")
     if spec.prompt_field == spec.answer_field:
         raise SparrowError(
-            f"DataSpec.prompt_field and answer_field are both {spec.prompt_field!r}; expected two fields"
+            f"prompt_field and answer_field are both {spec.prompt_field!r}; expected two different fields"
         )
     path = Path(spec.path)
     suffix = path.suffix.lower()
@@ -86,7 +86,7 @@ def load_examples(spec: DataSpec) -> list[Example]:
     if not _any_has(rows, spec.prompt_field):
         raise SparrowError(
             f"{path}: no row has the prompt field {spec.prompt_field!r}; the first row's fields are "
-            f"{sorted(rows[0][1])}; expected DataSpec.prompt_field to name one of them"
+            f"{sorted(rows[0][1])}; expected prompt_field (--prompt-field) to name one of them"
         )
     answer_field = spec.answer_field
     if answer_field == "answer" and not _any_has(rows, "answer") and _any_has(rows, _VERL_ANSWER):

@@ -27,9 +27,12 @@ from .machine import MachineSection
 
 
 def _integers(name: str, text) -> list[int]:
-    """A comma-separated list of integers, or a SparrowError naming the option."""
+    """A comma-separated list of integers (a trailing comma allowed), or a SparrowError naming the option."""
+    parts = str(text).split(",")
+    if parts and not parts[-1].strip():
+        parts.pop()
     try:
-        return [int(x) for x in str(text).split(",") if x.strip()]
+        return [int(x) for x in parts]
     except ValueError:
         raise SparrowError(f"{name} must be comma-separated integers, got {text!r}") from None
 
@@ -88,8 +91,8 @@ class CostConfig:
         if not self.page_sizes:
             return []
         sizes = _integers("page_sizes", self.page_sizes)
-        if not sizes or min(sizes) < 1:
-            raise SparrowError(f"page_sizes must be positive integers, got {self.page_sizes!r}")
+        if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
+            raise SparrowError(f"page_sizes must be different positive integers, got {self.page_sizes!r}")
         return sizes
 
     def prompt_len_list(self) -> list[int]:

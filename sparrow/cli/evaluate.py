@@ -10,6 +10,7 @@ from sparrow.datasets import DataSpec, load_examples
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate, interval_text
 from sparrow.options import AdaptedModelSection, DataSection, RolloutSection, SamplingSection, ScheduledSparseSection
+from sparrow.rewards.scoring import check_reward_functions
 from sparrow.typed_config import check_int, option, section
 
 from .config import add_config_options, load_config
@@ -45,6 +46,7 @@ def run(args) -> int:
     log = phase_log("eval")  # stderr: stdout holds only the result (its lines, or --json)
     data = config.data
     examples = load_examples(DataSpec(data.path, data.prompt_field, data.answer_field))
+    check_reward_functions(data.parsed, examples)
     model, tokenizer = config.model.load()
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer)
     log(f"sampling {len(examples)} prompts x {config.k} ({config.sparse.rollout_mode} rollouts, schedule "

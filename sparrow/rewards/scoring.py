@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from sparrow.errors import SparrowError
 from sparrow.rewards.runner import ScoreResult, score
+
+STAND_INS = ("1", "The answer is 2.")  # the completions `check_reward_functions` scores before any rollout
 
 
 def example_columns(examples, completions) -> dict[str, list]:
@@ -18,3 +21,15 @@ def score_examples(reward_fns, examples, completions) -> ScoreResult:
     """Score `completions` (whose `prompt_index` points into `examples`) with `[(name, fn, weight), ...]`."""
     prompts = [examples[c.prompt_index].prompt for c in completions]
     return score(reward_fns, prompts, [c.text for c in completions], example_columns(examples, completions))
+
+
+def check_reward_functions(reward_fns, examples) -> None:
+    """Score two stand-in completions of the first example once, so that a reward function that raises, returns
+    the wrong number of values or a non-finite one is refused before the model loads, not after the rollouts."""
+    from sparrow.engine import Completion
+
+    try:
+        score_examples(reward_fns, examples, [Completion(0, i, [], text=text) for i, text in enumerate(STAND_INS)])
+    except SparrowError as err:
+        raise SparrowError(f"{err} (checked before the first rollout on the stand-in completions {STAND_INS!r} "
+                           "of the first example)") from None

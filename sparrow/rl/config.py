@@ -306,7 +306,11 @@ class TrainConfig:
             raise SparrowError("probe_data is only used by the switch probes; give switch_schedule as well")
         if distill.probe_data is not None:
             require_file(distill.probe_data, "probe_data file")
-        self.parsed = Parsed(schedule, adaptive, switch, self.sparse.parse(self.eval.schedule))
+        try:
+            eval_schedule = self.sparse.parse(self.eval.schedule)
+        except SparrowError as err:
+            raise SparrowError(f"eval_schedule: {err}") from None
+        self.parsed = Parsed(schedule, adaptive, switch, eval_schedule)
         self.data.check_answers(("data", self.data.path), ("eval_data", self.eval.data))
         monitor = self.monitor
         checked = (monitor.reward_check_every and not self.sparse.exact

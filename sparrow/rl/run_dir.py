@@ -120,10 +120,12 @@ class RunLock:
         self.log = log
         self._fd: int | None = None
         self._pid = os.getpid()
+        self._created = False
 
     def acquire(self) -> RunLock:
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise SparrowError(f"output directory {str(self.output_dir)!r} is an existing file; expected a directory")
+        self._created = not self.output_dir.exists()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
@@ -177,8 +179,13 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Release; a run that failed before writing anything into the directory it created leaves no directory."""
         self.release()
+        if exc_type is not None and self._created and [p.name for p in self.output_dir.iterdir()] == [LOCK_NAME]:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                self.output_dir.rmdir()
 
 
 def clean_stray_files(output_dir: str | os.PathLike, log=_stderr) -> list[Path]:

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from sparrow.datasets import DataSpec, PromptSampler, load_examples
-from sparrow.engine import Completion, encode_prompt
+from sparrow.engine import encode_prompt
 from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate, interval_text
 from sparrow.io import append_jsonl
 from sparrow.lora import attach_adapter, base_parameters
-from sparrow.rewards.scoring import score_examples
+from sparrow.rewards.scoring import check_reward_functions
 from sparrow.typed_config import to_nested
 
 from .adaptive import start_state
@@ -34,7 +34,6 @@ from .step import Policy, run_step
 from .step_metrics import step_metrics
 
 _EVAL_SEED = 2**41  # held-out evaluation samples: one fixed seed, apart from rollouts and probes
-_STAND_INS = ("1", "The answer is 2.")  # completions `_check_reward_functions` scores before the first rollout
 
 
 def _print(message: str) -> None:
@@ -56,16 +55,6 @@ def _policy_and_backend(config: TrainConfig, log) -> tuple[Policy, object, objec
     backend = config.rollout.make_backend(config.model, config.sparse, model, tokenizer, log=log, lora=lora,
                                           wire_dtype=config.rollout.wire_dtype)
     return policy, backend, tokenizer
-
-
-def _check_reward_functions(rewards: list, examples: list) -> None:
-    """Score two stand-in completions of the first example once, so that a reward function that raises, returns
-    the wrong number of values or a non-finite one is refused before the model loads, not after a rollout."""
-    try:
-        score_examples(rewards, examples, [Completion(0, i, [], text=text) for i, text in enumerate(_STAND_INS)])
-    except SparrowError as err:
-        raise SparrowError(f"{err} (checked before the first rollout on the stand-in completions {_STAND_INS!r} "
-                           "of the first example)") from None
 
 
 def train(config: TrainConfig, log=_print) -> list[dict]:
@@ -114,8 +103,12 @@ def _train(config: TrainConfig, log) -> list[dict]:
     data = data_fingerprint(config.data.path, rows)
     resume_from = _resume_point(config, out, data, log)
     examples, probes = _probe_split(config, rows)
+    if grpo.prompts_per_step > len(examples):
+        raise SparrowError(f"prompts_per_step {grpo.prompts_per_step} exceeds the {len(examples)} training rows of "
+                           f"{config.data.path!r}: every step would repeat prompts; expected at most {len(examples)} "
+                           "(num_generations samples each prompt more often)")
     sampler = PromptSampler(len(examples), grpo.prompts_per_step, run.seed)
-    _check_reward_functions(config.data.parsed, examples)
+    check_reward_functions(config.data.parsed, examples)
     policy, backend, tokenizer = _policy_and_backend(config, log)
     if config.sparse.exact:
         drafts = config.sparse.draft_tokens or "an automatically chosen number of"

@@ -136,6 +136,23 @@ def test_an_output_path_that_is_a_file_is_one_message(tmp_path):
         RunLock(tmp_path / "out").acquire()
 
 
+def test_a_run_that_fails_before_writing_leaves_no_directory_it_created(tmp_path):
+    with pytest.raises(SparrowError), RunLock(tmp_path / "new"):
+        raise SparrowError("bad reward")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    with pytest.raises(SparrowError), RunLock(tmp_path / "old"):
+        raise SparrowError("bad reward")
+    assert (tmp_path / "old").is_dir()  # not ours to remove
+    with pytest.raises(SparrowError), RunLock(tmp_path / "wrote"):
+        (tmp_path / "wrote" / "metrics.jsonl").write_text("{}\n")
+        raise SparrowError("step 1 failed")
+    assert (tmp_path / "wrote" / "metrics.jsonl").is_file()
+    with RunLock(tmp_path / "fine"):
+        pass
+    assert (tmp_path / "fine").is_dir()
+
+
 def test_taking_the_lock_removes_unfinished_writes_only(tmp_path):
     (tmp_path / ".checkpoint-3.k2j4h1").mkdir()
     (tmp_path / ".checkpoint-3.k2j4h1" / "model.safetensors").write_bytes(b"partial")
