@@ -26,6 +26,7 @@ def _read_rows(path: Path, required: tuple[str, ...]) -> list[dict]:
     """The rows of a run's JSONL file; a row without a number under each `required` key (a key ending in "@" stands
     for any key starting with it, e.g. "eval/mean@4") is an error naming the file, line and key."""
     numbered = read_jsonl(path, torn_tail_ok=True)  # a killed run may end in a torn line
+    previous = -1
     for number, row in numbered:
         for key in required:
             found = [k for k in row if k.startswith(key)] if key.endswith("@") else [key]
@@ -33,6 +34,11 @@ def _read_rows(path: Path, required: tuple[str, ...]) -> list[dict]:
                 shown = f"{key}k" if key.endswith("@") else key
                 raise SparrowError(f"{path}:{number}: no number under {shown!r}; expected a row written by "
                                    "'sparrow train'")
+        if row["step"] <= previous:  # two logs in one file, or one edited: the curves would double back
+            where = "is negative" if row["step"] < 0 else f"comes after step {previous}"
+            raise SparrowError(f"{path}:{number}: step {row['step']} {where}; expected steps from 0 up, each once, "
+                               "as 'sparrow train' writes them")
+        previous = row["step"]
     return [row for _, row in numbered]
 
 

@@ -101,6 +101,16 @@ def test_a_torn_metrics_line_is_one_warning_line_in_report(tmp_path, capsys):
     assert err[1].startswith("sparrow report: error: ") and len(err) == 2
 
 
+@pytest.mark.parametrize("steps, message", [((1, 2, 2), ":3: step 2 comes after step 2"),
+                                            ((-1,), ":1: step -1 is negative")])
+def test_report_refuses_a_log_whose_steps_repeat_or_go_below_0(tmp_path, capsys, steps, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in steps))
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+
+
 # 2. a full disk while a checkpoint is written
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_run_resumes_from_the_previous(tmp_path, monkeypatch,
