@@ -90,8 +90,8 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise SparrowError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto") from None
-    if device.type not in ("cpu", "cuda"):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # mps, xpu, meta: named by torch, unusable here
         raise SparrowError(f"unknown device {name!r}: expected cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SparrowError(f"device {name!r} asked for, but CUDA is not available here")

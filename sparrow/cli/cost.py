@@ -29,7 +29,7 @@ from .machine import MachineSection
 def _integers(name: str, text) -> list[int]:
     """A comma-separated list of integers (a trailing comma allowed), or a SparrowError naming the option."""
     parts = str(text).split(",")
-    if parts and not parts[-1].strip():
+    if not parts[-1].strip():
         parts.pop()
     try:
         return [int(x) for x in parts]
