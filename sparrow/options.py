@@ -18,7 +18,7 @@ import torch
 from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.engine import SamplingParams
-from sparrow.engine.exact import check_draft_tokens
+from sparrow.engine.exact import parse_draft_tokens
 from sparrow.errors import SparrowError
 from sparrow.io import require_file
 from sparrow.lora import LoraSpec, check_adapter_dir, load_adapter
@@ -116,8 +116,9 @@ class ScheduledSparseSection(SparseSection):
     schedule: str = option("dense", SCHEDULE_HELP)
     rollout_mode: str = option("sparse", "sparse: decode with the schedule; exact: the schedule drafts, the dense "
                                "policy verifies (its own samples, token for token); dense: the dense schedule")
-    draft_tokens: int = option(DEFAULT_DRAFT_TOKENS, "exact mode: tokens the schedule drafts per dense verification "
-                               "(0: auto, each round's length from the measured acceptance and step times)")
+    draft_tokens: int | str = option(DEFAULT_DRAFT_TOKENS, "exact mode: tokens the schedule drafts per dense "
+                                     "verification, or auto (also 0): each round's length from the measured "
+                                     "acceptance and step times")
     parsed_schedule: Schedule | None = _parsed()
 
     def validate(self) -> None:
@@ -131,7 +132,7 @@ class ScheduledSparseSection(SparseSection):
     def check_mode(self) -> None:
         if self.rollout_mode not in ROLLOUT_MODES:
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
-        check_draft_tokens(self.draft_tokens)
+        self.draft_tokens = parse_draft_tokens(self.draft_tokens)
         if self.draft_tokens != DEFAULT_DRAFT_TOKENS and not self.exact:  # refused rather than ignored
             raise SparrowError(f"--draft-tokens {self.draft_tokens} sets exact mode's drafts: it needs "
                                "--rollout-mode exact")

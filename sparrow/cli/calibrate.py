@@ -80,8 +80,8 @@ def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
     hw = config.machine.spec()
     rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples, page_size,
                             **config.machine.byte_sizes())
-    print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha in the profile, an estimate "
-          "of the coupled acceptance):")
+    print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha per bin of the profile, an "
+          "estimate of the coupled acceptance at each length; alpha: its mean over the trajectory):")
     print(f"{'schedule':<22} {'alpha':>6} {'K':>3} {'tokens/verify':>14} {'exact/dense':>12} {'sparse/dense':>13}")
     for row in rows:
         print(f"{row['schedule']:<22} {row['acceptance']:>6.3f} {row['draft_tokens']:>3} "

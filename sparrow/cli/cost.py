@@ -6,7 +6,10 @@ import functools
 import json
 from dataclasses import dataclass, field
 
+from sparrow.engine.exact import parse_draft_tokens
 from sparrow.errors import SparrowError
+from sparrow.io import require_file
+from sparrow.measure.calibration import per_length_acceptance, profiled_schedule
 from sparrow.measure.cost_model import (
     MAX_LENGTH,
     best_draft_tokens,
@@ -17,6 +20,7 @@ from sparrow.measure.cost_model import (
     paper_cost,
     training_step,
 )
+from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
 from sparrow.options import SparseSection
 from sparrow.schedules import Schedule
@@ -57,7 +61,11 @@ class CostConfig:
     acceptance: float | None = option(None, "exact mode: the per-token acceptance of the schedule's drafts (a "
                                             "profile's mean alpha, or bench's coupled acceptance); adds exact "
                                             "mode's predicted decode speedup")
-    draft_tokens: int = option(0, "exact mode: tokens drafted per dense verification (0: the best of 1-16)")
+    acceptance_profile: str | None = option(None, "exact mode: a profile.json of --schedule whose mean alpha per "
+                                                  "length bin stands for the drafts' acceptance at those lengths "
+                                                  "(instead of one --acceptance)")
+    draft_tokens: int | str = option("auto", "exact mode: tokens drafted per dense verification, or auto (also 0): "
+                                             "the best of 1-16")
     training: bool = option(False, "also price a whole GRPO step of the group: the update (forward and backward "
                                    "of the prompt and every completion) both rollouts pay, and the exact monitor "
                                    "sparse ones pay")
@@ -80,12 +88,16 @@ class CostConfig:
         self.machine.validate()
         if self.acceptance is not None:
             check_finite("acceptance", self.acceptance, 0, 1)
-        check_int("draft_tokens", self.draft_tokens, 0)
+        self.draft_tokens = parse_draft_tokens(self.draft_tokens)
         check_int("monitor_every", self.monitor_every, 1)
         check_finite("monitor_share", self.monitor_share, 0, 1, low_open=True)
-        if self.draft_tokens and self.acceptance is None:
+        if self.acceptance is not None and self.acceptance_profile is not None:
+            raise SparrowError("give --acceptance (one value) or --acceptance-profile (per length bin), not both")
+        if self.acceptance_profile is not None:
+            require_file(self.acceptance_profile, "acceptance profile")
+        if self.draft_tokens and self.acceptance is None and self.acceptance_profile is None:
             raise SparrowError("--draft-tokens prices exact mode, which needs --acceptance (the drafts' per-token "
-                               "acceptance, e.g. a profile's mean alpha)")
+                               "acceptance, e.g. a profile's mean alpha) or --acceptance-profile")
 
     def page_size_list(self) -> list[int]:
         if not self.page_sizes:
@@ -137,11 +149,16 @@ def evaluate(config: CostConfig) -> dict:
         budget, ratio = equal_cost_constant(dims, hw, schedule, lengths, config.gen_len, config.samples,
                                             page_size=sparse.page_size, **options)
         result["equal_cost_constant"] = {"budget": budget, "cost_ratio": ratio, "prompt_lens": lengths}
-    if config.acceptance is not None:
+    acceptance = config.acceptance
+    if config.acceptance_profile is not None:
+        profile = read_profile(config.acceptance_profile)
+        acceptance = per_length_acceptance(profile, profiled_schedule(profile, schedule))
+    if acceptance is not None:
         price = (functools.partial(exact_decode, draft_tokens=config.draft_tokens) if config.draft_tokens
                  else best_draft_tokens)
-        exact = price(*trajectory, acceptance=config.acceptance, page_size=sparse.page_size, **options)
-        result["exact"] = {"draft_tokens": config.draft_tokens, **exact}
+        exact = price(*trajectory, acceptance=acceptance, page_size=sparse.page_size, **options)
+        result["exact"] = {"draft_tokens": config.draft_tokens, **exact,
+                           **({"per_length": acceptance} if isinstance(acceptance, list) else {})}
     if config.training:
         result["training"] = training_step(*trajectory, monitor_every=config.monitor_every,
                                            monitor_share=config.monitor_share, page_size=sparse.page_size, **options)
@@ -189,7 +206,8 @@ def _print(report: dict) -> None:
           f"{report['dense_step_s'] * 1e3:.3g} ms, sparse {report['sparse_step_s'] * 1e3:.3g} ms)")
     if "exact" in report:
         exact = report["exact"]
-        print(f"exact mode (acceptance {exact.get('acceptance', 0):g}): K = {exact['draft_tokens']} drafted tokens, "
+        source = f"{exact['acceptance']:.3g}" + (", its mean over the trajectory" if "per_length" in exact else "")
+        print(f"exact mode (acceptance {source}): K = {exact['draft_tokens']} drafted tokens, "
               f"{exact['tokens_per_verify']:.2f} tokens per verification, decode {exact['exact_over_dense']:.2f}x "
               f"dense (sparse decode {exact['sparse_over_dense']:.2f}x)")
     if "training" in report:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sparrow.datasets import DataSpec, load_examples, read_prompts
 from sparrow.engine import SamplingParams, as_chat, encode_prompt
-from sparrow.engine.exact import check_draft_tokens
+from sparrow.engine.exact import parse_draft_tokens
 from sparrow.errors import SparrowError
 from sparrow.io import check_output, require_file
 from sparrow.measure.profiling import LENGTH_ORIGINS, answers_hash, check_resumable, prompts_hash, run_profile
@@ -57,7 +57,7 @@ class ProfileConfig:
     rollout_mode: str = option("sparse", "sparse: teacher-force each schedule's rollouts through the sparse actor; "
                                "exact: sample in exact mode and keep the acceptance each drafted token had while "
                                "decoding (the drafter's, for `calibrate --rollout-mode exact`)")
-    draft_tokens: int = option(4, "exact mode: tokens drafted per dense verification (0: auto)")
+    draft_tokens: int | str = option(4, "exact mode: tokens drafted per dense verification, or auto (also 0)")
     out: str = option("runs/profile", "output directory (profile.json, profile.csv, plots, raw per-token values)")
     parsed_schedules: dict[str, Schedule] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -67,7 +67,7 @@ class ProfileConfig:
         self.rewards.validate(default=())
         if self.rollout_mode not in ("sparse", "exact"):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
-        check_draft_tokens(self.draft_tokens)
+        self.draft_tokens = parse_draft_tokens(self.draft_tokens)
         self.rollout.validate(self.model.device, self.rollout_mode == "exact")
         self.sampling.check_exact_rule(self.rollout_mode == "exact")
         if self.prompts is None:

@@ -37,8 +37,20 @@ AUTO = 0  # draft_tokens 0: each round's draft length chosen from what the wave 
 AUTO_START, AUTO_MAX = 4, 16
 
 
+def parse_draft_tokens(value) -> int:
+    """An option's draft length as the engine takes it: 'auto' -> AUTO, a string of digits -> its integer, checked."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        value = AUTO if text == "auto" else int(text) if text.isdigit() else value
+    try:
+        return check_draft_tokens(value)
+    except SparrowError:
+        raise SparrowError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 'auto' (or 0), got "
+                           f"{value!r}") from None
+
+
 def check_draft_tokens(value) -> int:
-    """The number of tokens drafted per verification: an integer in [1, MAX_DRAFT_TOKENS], or 0 for auto."""
+    """The number of tokens drafted per verification: an integer in [1, MAX_DRAFT_TOKENS], or 0 (auto)."""
     if isinstance(value, bool) or not isinstance(value, int) or not AUTO <= value <= MAX_DRAFT_TOKENS:
         raise SparrowError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 0 (auto), got {value!r}")
     return value

@@ -221,12 +221,37 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     return schedule, choices
 
 
+def per_length_acceptance(profile: dict, name: str) -> list[tuple[int, float]]:
+    """Schedule `name`'s mean alpha per bin of the profile as [(first cached length, mean)], ascending: what
+    `cost_model.exact_decode` takes as a per-length acceptance. Bins of generated positions are placed after the
+    profile's mean prompt; empty bins are left out (their neighbours' values reach over them)."""
+    meta = profile.get("meta", {})
+    offset = 0 if meta.get("length_origin", "total") == "total" else round(meta.get("prompt_tokens_mean", 0))
+    bins = sorted((b for b in profile["schedules"][name]["bins"] if b.get("count", 0) > 0 and "mean" in b),
+                  key=lambda b: b["start"])
+    if not bins:
+        raise SparrowError(f"schedule {name!r} of the profile has no bin with tokens and a mean alpha")
+    return [(offset + b["start"], float(b["mean"])) for b in bins]
+
+
+def profiled_schedule(profile: dict, schedule) -> str:
+    """The name of the profile's schedule that gives `schedule`'s budgets (a SparrowError listing them if none)."""
+    meta = profile.get("meta", {})
+    page_size = meta.get("sparse", {}).get("page_size", 16)
+    for name, entry in profile["schedules"].items():
+        parsed = parse_schedule(entry["spec"], page_size, always_kept_pages(meta))
+        if (parsed.starts, parsed.budgets) == (schedule.starts, schedule.budgets):
+            return name
+    raise SparrowError(f"the profile holds no schedule with the budgets of {schedule.name!r}; it holds "
+                       f"{', '.join(profile['schedules'])}")
+
+
 def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16, max_draft_tokens: int = 16,
                      bytes_per_param=2, bytes_per_kv=2) -> list[dict]:
     """Exact mode's predicted decode speedup for every profiled schedule, best first: each schedule's mean
-    acceptance over the profile stands for its drafts' per-token acceptance, and the cost model picks the draft
-    length (`cost_model.best_draft_tokens`) at the profile's prompt and generation lengths. In exact mode the budget
-    only sets speed (rejected drafts cost time, never reward), so no tau applies."""
+    acceptance per bin of the profile stands for its drafts' per-token acceptance at those lengths, and the cost
+    model picks the draft length (`cost_model.best_draft_tokens`) at the profile's prompt and generation lengths.
+    In exact mode the budget only sets speed (rejected drafts cost time, never reward), so no tau applies."""
     meta = profile.get("meta", {})
     prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
     gen_len = max(1, meta.get("sampling", {}).get("max_new_tokens", 1))
@@ -235,9 +260,9 @@ def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16,
         schedule = parse_schedule(entry["spec"], page_size, always_kept_pages(meta))
         if schedule.is_dense:
             continue
-        best = best_draft_tokens(dims, hw, schedule, prompt_len, gen_len, samples, entry["overall"]["mean"],
-                                 max_draft_tokens, page_size=page_size, bytes_per_param=bytes_per_param,
-                                 bytes_per_kv=bytes_per_kv)
+        best = best_draft_tokens(dims, hw, schedule, prompt_len, gen_len, samples,
+                                 per_length_acceptance(profile, name), max_draft_tokens, page_size=page_size,
+                                 bytes_per_param=bytes_per_param, bytes_per_kv=bytes_per_kv)
         rows.append({"schedule": name, **best})
     if not rows:
         raise SparrowError("the profile holds no sparse schedule to draft with")

@@ -48,7 +48,9 @@ def test_generate_reads_options_from_yaml_and_the_command_line_wins(tmp_path, ca
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--rollout-mode", "exact",
       "--backend", "vllm"], "not in vLLM"),
     (["eval", "--model", "tiny-llama", "--data", "examples/tiny-data.jsonl", "--schedule", "const:48",
-      "--draft-tokens", "65"], "draft_tokens must be an integer in [1, 64] or 0 (auto), got 65"),
+      "--draft-tokens", "65"], "draft_tokens must be an integer in [1, 64] or 'auto' (or 0), got 65"),
+    (["eval", "--model", "tiny-llama", "--data", "examples/tiny-data.jsonl", "--schedule", "const:48",
+      "--rollout-mode", "exact", "--draft-tokens", "lots"], "or 'auto' (or 0), got 'lots'"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--exact-rule", "residual"],
      "--exact-rule residual judges exact mode's drafts: it needs --rollout-mode exact"),
     (["generate", "--model", "tiny-llama", "--prompt", "x", "--schedule", "const:48", "--rollout-mode", "exact",
@@ -164,6 +166,8 @@ def test_generate_in_exact_mode_equals_dense_generation(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in rows] == dense
     assert all(r["verifies"] >= 1 and len(r["drafted"]) == len(r["token_ids"]) for r in rows)
+    assert main(base + ["--schedule", "const:48", "--rollout-mode", "exact", "--draft-tokens", "auto"]) == 0
+    assert [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == dense
     assert main(base + ["--schedule", "const:48", "--rollout-mode", "exact", "--exact-rule", "residual"]) == 0
     residual = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(residual) == 3 and all(r["verifies"] >= 1 and 1 <= len(r["token_ids"]) <= 20 for r in residual)

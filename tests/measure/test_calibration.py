@@ -125,7 +125,7 @@ def test_the_long_answer_config_holds_the_calibration_of_its_shipped_profile():
 
 def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_length(tmp_path, capsys):
     from sparrow.cli import main
-    from sparrow.measure.calibration import exact_candidates
+    from sparrow.measure.calibration import exact_candidates, per_length_acceptance
     from sparrow.measure.cost_model import exact_decode, hardware
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
@@ -139,7 +139,7 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
     meta = profile["meta"]
     again = exact_decode(dims, hw, parse_schedule(profile["schedules"][best["schedule"]]["spec"]),
                          round(meta["prompt_tokens_mean"]), meta["sampling"]["max_new_tokens"], 8,
-                         profile["schedules"][best["schedule"]]["overall"]["mean"], best["draft_tokens"])
+                         per_length_acceptance(profile, best["schedule"]), best["draft_tokens"])
     assert again["exact_over_dense"] == pytest.approx(best["exact_over_dense"])
     out = tmp_path / "exact.json"
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
@@ -172,3 +172,18 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact",
                  "--min-retention", "0.9"]) == 2
     assert "takes no --min-retention" in capsys.readouterr().err
+
+
+def test_exact_mode_prices_each_length_bin_at_its_own_acceptance():
+    from sparrow.measure.calibration import per_length_acceptance, profiled_schedule
+    from sparrow.schedules import const
+
+    profile = json.loads(Path("examples/longanswer-reward-profile.json").read_text())
+    bins = profile["schedules"]["const:1024"]["bins"]
+    assert per_length_acceptance(profile, "const:1024") == [(b["start"], b["mean"]) for b in bins if b["count"]]
+    assert profiled_schedule(profile, const(2048)) == "const:2048"
+    with pytest.raises(SparrowError, match=r"no schedule with the budgets of 'const:512'; it holds const:1024, const"):
+        profiled_schedule(profile, const(512))
+    generated = {**profile, "meta": {**profile["meta"], "length_origin": "generated"}}
+    offset = round(profile["meta"]["prompt_tokens_mean"])
+    assert per_length_acceptance(generated, "const:1024")[0] == (offset + bins[0]["start"], bins[0]["mean"])

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from sparrow.cli import main
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import (
     HARDWARE,
+    acceptance_segments,
     Hardware,
     ModelDims,
     best_draft_tokens,
@@ -370,6 +372,41 @@ def test_exact_decode_prices_k_drafts_and_one_span_verification():
     best = best_draft_tokens(*args, acceptance=0.9)
     assert all(exact_decode(*args, acceptance=0.9, draft_tokens=k)["exact_over_dense"] <= best["exact_over_dense"]
                for k in range(1, 17))
+
+
+def test_exact_decode_prices_each_stretch_of_lengths_at_its_own_acceptance():
+    dims, hw = model_dims("smollm2-135m"), hardware("h200")
+    args = (dims, hw, const(1024), 4000, 1000, 8)
+    assert acceptance_segments(0.9, 4000, 1000) == [(0, 1000, 0.9)]
+    # step i holds 4001 + i tokens: 4500 is first reached at step 499, 9000 never
+    assert acceptance_segments([(0, 0.9), (4500, 0.5), (9000, 0.1)], 4000, 1000) == [(0, 499, 0.9), (499, 501, 0.5)]
+    assert acceptance_segments([(6000, 0.7)], 4000, 1000) == [(0, 1000, 0.7)]  # below the first: the first's
+    same = exact_decode(*args, acceptance=[(0, 0.9), (4500, 0.9)], draft_tokens=4)
+    assert same == pytest.approx(exact_decode(*args, acceptance=0.9, draft_tokens=4))
+    # a tail that accepts less is slower than its mean spread evenly, and the mean is weighted by steps
+    split = exact_decode(*args, acceptance=[(0, 1.0), (4501, 0.2)], draft_tokens=4)
+    assert split["acceptance"] == pytest.approx((500 * 1.0 + 500 * 0.2) / 1000)
+    assert split["tokens_per_verify"] == pytest.approx(1000 / (500 / 5 + 500 / tokens_per_verify(0.2, 4)))
+    assert split["exact_over_dense"] < exact_decode(*args, acceptance=0.6, draft_tokens=4)["exact_over_dense"]
+    for bad, message in (([], "at least one"), ([(10, 0.9), (5, 0.8)], "must ascend in cached length, got 10 then 5"),
+                         ([(0, 1.5)], "acceptance from 0 cached tokens must be a finite number")):
+        with pytest.raises(SparrowError, match=message):
+            acceptance_segments(bad, 4000, 1000)
+
+
+def test_cost_command_prices_exact_mode_from_a_profiles_bins(capsys):
+    base = ["cost", "--schedule", "const:1024", "--prompt-len", "3420", "--gen-len", "1300", "--json"]
+    assert main(base + ["--acceptance-profile", "examples/longanswer-reward-profile.json"]) == 0
+    report = json.loads(capsys.readouterr().out)["exact"]
+    profile = json.loads(Path("examples/longanswer-reward-profile.json").read_text())
+    assert report["per_length"] == [[b["start"], b["mean"]] for b in profile["schedules"]["const:1024"]["bins"]]
+    assert 0.9 < report["acceptance"] < 1 and report["exact_over_dense"] > 1
+    assert main(base + ["--acceptance", "0.9", "--acceptance-profile", "examples/longanswer-reward-profile.json"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["cost", "--schedule", "const:512", "--acceptance-profile",
+                 "examples/longanswer-reward-profile.json"]) == 2
+    assert "no schedule with the budgets of 'const:512'" in capsys.readouterr().err
+    assert main(["cost", "--schedule", "const:1024", "--acceptance-profile", "missing.json"]) == 2
 
 
 def test_cost_command_prices_exact_mode(capsys):

@@ -313,7 +313,8 @@ def test_exact_mode_trains_on_dense_samples_monitors_for_free_and_resumes(data, 
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout_mode": "exact", "schedule": "dense"}, "drafts with a sparse schedule"),
     ({"rollout_mode": "dense", "schedule": "adaptive", "monitor": "exact"}, "has nothing to move"),
-    ({"rollout_mode": "exact", "draft_tokens": -1}, r"draft_tokens must be an integer in \[1, 64\] or 0"),
+    ({"rollout_mode": "exact", "draft_tokens": -1},
+     r"draft_tokens must be an integer in \[1, 64\] or 'auto' \(or 0\), got -1"),
 ])
 def test_bad_rollout_modes_are_refused_up_front(data, tmp_path, overrides, message):
     with pytest.raises(SparrowError, match=message):
