@@ -1,12 +1,21 @@
 """Tail or mean? One table over sparse runs, each paired with the dense run of the same prompts and seed (issue 19).
 
 Per sparse run: mean acceptance (token-weighted over steps), p5 and p1 (medians over steps of the exact monitor's),
-reward retention (its rollouts' mean reward over the dense run's, step for step), held-out difference from dense
-at the last evaluation (paired over prompts, 95% interval), and whether it fell behind, shown per criterion: in
-training (retention below --behind-below) and held-out (the interval wholly below 0); either counts. Then
-Spearman's rho of each statistic against retention, and the pairs whose means agree within 0.01 while their p5
-differ by >= 0.05. Runs known only from earlier
-tables can be added with --extra (a JSON list of {"name", "mean", "p5", "p1", "retention", "behind"}).
+the worst length bin's p5 (below), reward retention (its rollouts' mean reward over the dense run's, step for step),
+held-out difference from dense at the last evaluation (paired over prompts, 95% interval), and whether it fell
+behind, shown per criterion: in training (retention below --behind-below) and held-out (the interval wholly below
+0); either counts. Then Spearman's rho of each statistic against retention, and the pairs whose means agree within
+0.01 while their p5 differ by >= 0.05. Runs known only from earlier tables can be added with --extra (a JSON list of
+{"name", "mean", "p5", "p1", "retention", "behind"}).
+
+The worst bin's p5 comes from the exact monitor's per-length-bin figures (`mismatch/bin_<start>/exact_p5` and
+`.../exact_tokens`; bins of cached length, prompt included, of the run's monitor.bin_size). A bin counts at a step
+when it holds at least --min-bin-tokens tokens there (default 200: its p5 then rests on >= 10 tokens below it); each
+bin's p5 is the median over the monitored steps where it counts (as the overall p5 is over steps), and the
+statistic is the lowest of these, shown with its bin's start (a run whose tokens all fall in one bin gets its
+p5). A run with no bin that counts at any step (the --extra summaries, logs without per-bin figures, steps of fewer
+tokens) gets a blank and is left out of that correlation only; the correlations are then repeated over just the
+runs that have it, so the statistics compare on equal runs.
 
     .venv/bin/python benchmarks/tail_vs_mean.py runs/bench/promise/sparse-0-3072-seed0=runs/bench/promise/dense-seed0
 
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +39,8 @@ from sparrow.errors import SparrowError
 from sparrow.io import read_jsonl
 from sparrow.measure.retention import paired_difference
 
-STATISTICS = ("mean", "p5", "p1")
+STATISTICS = ("mean", "p5", "p1", "worst_bin_p5")
+BIN_P5 = re.compile(r"mismatch/bin_(\d+)/exact_p5")
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,29 @@ class RunOutcome:
     p1: float
     retention: float  # sparse mean reward / dense mean reward
     behind: bool  # the run fell behind dense (the caller's rule, e.g. retention or held-out interval below)
+    worst_bin_p5: float = math.nan  # the lowest per-length-bin p5 (nan: no bin with enough tokens)
+    worst_bin: int | None = None  # that bin's start (cached tokens)
+
+
+def bin_p5s(rows: list[dict], min_tokens: int) -> dict[int, float]:
+    """Per length bin (its start in cached tokens), the median over steps of the exact monitor's p5 in that bin,
+    over the steps where the bin holds at least `min_tokens` tokens; bins that never do are left out."""
+    counted: dict[int, list[float]] = {}
+    for row in rows:
+        for key, p5 in row.items():
+            match = BIN_P5.fullmatch(key)
+            if match and row.get(f"mismatch/bin_{match[1]}/exact_tokens", 0) >= min_tokens:
+                counted.setdefault(int(match[1]), []).append(p5)
+    return {start: median(values) for start, values in sorted(counted.items())}
+
+
+def worst_bin(rows: list[dict], min_tokens: int) -> tuple[float, int | None]:
+    """The lowest of `bin_p5s` and its bin's start; (nan, None) when no bin has enough tokens at any step."""
+    per_bin = bin_p5s(rows, min_tokens)
+    if not per_bin:
+        return math.nan, None
+    start = min(per_bin, key=per_bin.get)
+    return per_bin[start], start
 
 
 def rank_correlations(runs: list[RunOutcome]) -> dict[str, tuple[float, float, int]]:
@@ -113,7 +147,7 @@ def _fell_behind(retention: float, held: tuple | None, behind_below: float) -> t
     return retention < behind_below, held is not None and held[2] < 0
 
 
-def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None = None
+def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None = None, min_bin_tokens: int = 200
               ) -> tuple[RunOutcome, tuple | None]:
     rows, base = _rows(sparse, "metrics.jsonl"), _rows(dense, "metrics.jsonl")
     if not rows or not base:
@@ -130,7 +164,27 @@ def summarise(sparse: Path, dense: Path, behind_below: float, label: str | None 
     held = _held_out(sparse, dense)
     behind = any(_fell_behind(retention, held, behind_below))
     return RunOutcome(label or sparse.name, mean, median(r["mismatch/exact/p5"] for r in monitored),
-                      median(p1s) if not any(map(math.isnan, p1s)) else math.nan, retention, behind), held
+                      median(p1s) if not any(map(math.isnan, p1s)) else math.nan, retention, behind,
+                      *worst_bin(monitored, min_bin_tokens)), held
+
+
+def _cell(value: float) -> str:
+    return "" if math.isnan(value) else f"{value:.3f}"
+
+
+def _correlation_lines(runs: list[RunOutcome]) -> list[str]:
+    """Each statistic's rho over the runs that know it, then all of them again over the runs with a worst bin."""
+    lines = []
+    for name, (rho, p, count) in rank_correlations(runs).items():
+        left = f"; {len(runs) - count} runs without it left out of this one only" if count < len(runs) else ""
+        lines.append(f"- Spearman rho of {name} against retention: {rho:+.2f} (p {p:.2g}, {count} runs where it is "
+                     f"known{left})")
+    binned = [r for r in runs if not math.isnan(r.worst_bin_p5)]
+    if 0 < len(binned) < len(runs):
+        rhos = ", ".join(f"{name} {rho:+.2f} (p {p:.2g}, {count})"
+                         for name, (rho, p, count) in rank_correlations(binned).items())
+        lines.append(f"- Over the {len(binned)} runs with a worst bin only: {rhos}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pairs", nargs="*", help="SPARSE_RUN_DIR=DENSE_RUN_DIR[=LABEL]")
     parser.add_argument("--extra", help="JSON list of earlier runs' summaries")
     parser.add_argument("--behind-below", type=float, default=0.9, help="retention below which a run fell behind")
+    parser.add_argument("--min-bin-tokens", type=int, default=200,
+                        help="tokens a length bin needs at a step to count towards the worst bin's p5")
     args = parser.parse_args(argv)
     runs, held = [], {}
     for pair in args.pairs:
@@ -145,25 +201,26 @@ def main(argv: list[str] | None = None) -> int:
         if len(parts) not in (2, 3) or not all(parts):
             sys.exit(f"expected SPARSE_RUN_DIR=DENSE_RUN_DIR or SPARSE_RUN_DIR=DENSE_RUN_DIR=LABEL, got {pair!r}")
         label = parts[2] if len(parts) == 3 else None
-        run, outcome = summarise(Path(parts[0]), Path(parts[1]), args.behind_below, label)
+        run, outcome = summarise(Path(parts[0]), Path(parts[1]), args.behind_below, label, args.min_bin_tokens)
         if run.name in held:
             sys.exit(f"two runs are named {run.name!r}; give them labels (SPARSE_RUN_DIR=DENSE_RUN_DIR=LABEL)")
         held[run.name] = outcome
         runs.append(run)
     if args.extra:
         runs += [RunOutcome(**row) for row in json.loads(Path(args.extra).read_text())]
-    print("| run | mean acceptance | p5 | p1 | reward retention | held-out vs dense [95%] | fell behind: training "
-          "/ held-out |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | mean acceptance | p5 | p1 | worst bin's p5 (bin start) | reward retention | held-out vs dense [95%] "
+          "| fell behind: training / held-out |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         h = held.get(r.name)
         shown = f"{h[0]:+.3f} [{h[1]:+.3f}, {h[2]:+.3f}]" if h else "-"
         in_training, held_out = ("yes" if b else "no" for b in _fell_behind(r.retention, h, args.behind_below))
         verdict = f"{in_training} / {held_out if h else '-'}" if r.name in held else ("yes" if r.behind else "no")
-        print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {r.p1:.3f} | {r.retention:.2f} | {shown} | {verdict} |")
+        binned = f"{_cell(r.worst_bin_p5)} ({r.worst_bin})" if r.worst_bin is not None else _cell(r.worst_bin_p5)
+        print(f"| {r.name} | {r.mean:.3f} | {r.p5:.3f} | {_cell(r.p1)} | {binned} | {r.retention:.2f} | {shown} "
+              f"| {verdict} |")
     print()
-    for name, (rho, p, count) in rank_correlations(runs).items():
-        print(f"- Spearman rho of {name} against retention: {rho:+.2f} (p {p:.2g}, {count} runs where it is known)")
+    print("\n".join(_correlation_lines(runs)))
     for pair in contrast_pairs(runs):
         a, b = pair["runs"]
         print(f"- {a} vs {b}: mean {pair['mean'][0]:.3f} / {pair['mean'][1]:.3f}, p5 {pair['p5'][0]:.3f} / "

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Tail or mean over every sparse run with a matching dense run (BENCHMARKS.md, "Tail or mean"): the run directories
 # kept under benchmarks/ (the long-answer runs of 2026-12-05 carry the sampler bug, the same in both runs of a
-# pair), and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json).
+# pair), and the summaries of earlier runs whose logs were not kept (earlier-threshold-runs.json). The worst length
+# bin's p5 comes from the monitor's per-bin figures (--min-bin-tokens, default 200 a step). The exact-mode runs
+# (longanswer/*/exact-*) are left out: they sample the dense policy, so their reward says nothing of acceptance.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=benchmarks/longanswer/grpo
