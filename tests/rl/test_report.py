@@ -12,7 +12,8 @@ from sparrow.rl.report import _rollout_clock, _throughput, write_report
 def _run(path, rows, evals):
     path.mkdir()
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    if evals:
+        (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
 
 
 def _row(step, reward, rollout_s, tokens):
@@ -81,3 +82,16 @@ def test_two_held_out_prompts_give_no_interval_and_a_known_range_bounds_the_diff
         _run(tmp_path / name, rows, [row])
     text = write_report([tmp_path / "d3", tmp_path / "s3"], tmp_path / "r3").read_text()
     assert "- s3 minus d3 at their last evaluation: +0.333 [-1.000, +1.000] (paired over 3 prompts)" in text
+
+
+def test_exact_runs_get_their_tokens_per_verification_and_drafted_share(tmp_path):
+    exact = [{**_row(step, 0.5, 10.0, 100), "rollout/tokens_per_verify": tpv, "rollout/drafted_share": share}
+             for step, tpv, share in ((1, 2.5, 0.60), (2, 3.5, 0.70), (3, 3.0, 0.80))]
+    _run(tmp_path / "dense", [_row(1, 0.5, 20.0, 100)], [])
+    _run(tmp_path / "exact", exact, [])
+    text = write_report([tmp_path / "dense", tmp_path / "exact"], tmp_path / "r").read_text()
+    assert "| run | tokens per verification | drafted share of tokens |" in text
+    assert "| exact | 3.00 | 70.0% |" in text  # medians over the steps
+    assert "| dense |" not in text.split("tokens per verification")[1]  # a run without drafts gets no row
+    _run(tmp_path / "sparse", [_row(1, 0.5, 10.0, 100)], [])
+    assert "tokens per verification" not in write_report([tmp_path / "sparse"], tmp_path / "s").read_text()
