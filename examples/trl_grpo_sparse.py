@@ -171,6 +171,8 @@ def main(argv=None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    # Sparrow's integration before TRL: importing it filters TRL's warning that vLLM 0.32 is outside its range,
+    # which TRL's modules print when imported (docs/trl.md#install)
     from sparrow.integrations.config import SparrowConfig
 
     sparrow = SparrowConfig(schedule=args.schedule, tau=args.tau, bin_size=args.bin_size,
