@@ -1,6 +1,9 @@
 """TRL's colocated weight sync on vLLM's CPU build (sparrow/integrations/trl_cpu.py) is exact: after a GRPO step at
 a large learning rate, and after every parameter is perturbed, vLLM's prompt log-probs equal the trained model's
-(float32, within 1e-4), on a tiny Llama whose LM head is tied to its token embedding (as SmolLM2's is).
+(float32, within 1e-4), on a tiny Llama whose LM head is tied to its token embedding (as SmolLM2's is). Three
+runs: the dense schedule; a sparse one (const:64), where the tokens vLLM samples after a prompt cached before the
+sync must also equal the model's sparse teacher-forced log-probs (the cached pages' landmarks come from the new
+weights' keys); and a LoRA adapter (TRL's `peft_config`), which TRL merges into the weights it sends.
 
 Before the fix the tied LM head kept its old packed weights on CPU (TRL sends the tied weight once, as
 `model.embed_tokens.weight`; vLLM reprocesses only the layers it loads): 0.16 nats after the step, 1.17 after the
@@ -13,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import save_tiny_for_vllm
-from tests.integrations.weight_sync import FailedLoads, perturb_every_parameter, prompt_logprob_gap
+from tests.integrations.weight_sync import (PROMPT, FailedLoads, completion_logprob_gap, perturb_every_parameter,
+                                            prompt_logprob_gap)
 
 pytest.importorskip("trl")
 pytest.importorskip("vllm")
@@ -51,16 +55,21 @@ def byte_reward(completions, **_):
     return [float(sum(map(ord, c)) % 97) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+RUNS = {"dense": ("dense", False), "sparse": ("const:64", False), "lora": ("dense", True)}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def trainer(tmp_path_factory, request):
     import datasets
+    from peft import LoraConfig
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
     from sparrow.integrations.config import SparrowConfig
     from sparrow.integrations.trl import SparrowGRPOTrainer
 
-    tmp = tmp_path_factory.mktemp("trl-sync")
+    schedule, lora = RUNS[request.param]
+    tmp = tmp_path_factory.mktemp(f"trl-sync-{request.param}")
     model_dir = str(save_tiny_for_vllm(tmp / "tiny-tied", tied=True))
     saved = dict(os.environ)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", SPARROW_HUGE_PAGES="0")
@@ -71,20 +80,37 @@ def trainer(tmp_path_factory):
                       num_generations=4, max_completion_length=8, temperature=1.0, use_vllm=True,
                       vllm_mode="colocate", vllm_max_model_length=512)
     rows = [{"prompt": "the weights move " * 4}] * 4
+    peft = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")} if lora else {}
     trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=byte_reward, args=args,
                                  train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
-                                 sparrow_config=SparrowConfig(schedule="dense"))
+                                 sparrow_config=SparrowConfig(schedule=schedule), **peft)
+    trainer.sparrow_test_schedule = schedule
     yield trainer
     trainer.vllm_generation.llm = None
     os.environ.clear()
     os.environ.update(saved)
 
 
+def cached_prompt_gap(trainer, prompt=PROMPT[:150], schedule=None) -> float:
+    """Largest |log p_vLLM - log p_model| over 16 tokens vLLM samples after `prompt` under the run's schedule (the
+    plugin follows the trainer's schedule file), the model teacher-forced under the same schedule; the prompt's
+    blocks stay in vLLM's prefix cache until the next sync resets it."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=3, ignore_eos=True, logprobs=0)
+    out = trainer.vllm_generation.llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)[0].outputs[0]
+    logprobs = [entry[token].logprob for entry, token in zip(out.logprobs, out.token_ids)]
+    return completion_logprob_gap(trainer.model, prompt, out.token_ids, logprobs,
+                                  schedule or trainer.sparrow_test_schedule)
+
+
 def test_the_tiny_model_ties_its_lm_head_and_vllm_starts_in_sync(trainer):
-    model = trainer.model
+    from sparrow.attention.interface import base_model
+
+    model = base_model(trainer.model)  # under a peft wrapper with LoRA
     assert model.config.tie_word_embeddings
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert prompt_logprob_gap(trainer.vllm_generation.llm, model) < EXACT
+    assert prompt_logprob_gap(trainer.vllm_generation.llm, trainer.model) < EXACT
 
 
 def test_a_grpo_step_at_a_large_learning_rate_then_sync_leaves_vllm_exact(trainer):
@@ -92,7 +118,11 @@ def test_a_grpo_step_at_a_large_learning_rate_then_sync_leaves_vllm_exact(traine
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.train()
     moved = {name: float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters()}
-    assert moved["model.embed_tokens.weight"] > 1e-3 and min(moved.values()) > 0  # every weight trained
+    if hasattr(model, "peft_config"):  # only the adapter trains (lora_A has no gradient while lora_B is zero)
+        assert min(v for name, v in moved.items() if "lora_B" in name) > 1e-3
+        assert max(v for name, v in moved.items() if "lora_" not in name) == 0
+    else:
+        assert moved["model.embed_tokens.weight"] > 1e-3 and min(moved.values()) > 0  # every weight trained
     stale = prompt_logprob_gap(trainer.vllm_generation.llm, model)
     assert stale > 1e-2  # vLLM still holds the weights the step's rollouts were sampled with
     with FailedLoads() as failed:
@@ -104,9 +134,15 @@ def test_a_grpo_step_at_a_large_learning_rate_then_sync_leaves_vllm_exact(traine
 
 def test_perturbing_every_parameter_tied_embedding_included_then_sync_leaves_vllm_exact(trainer):
     model = trainer.model
-    perturb_every_parameter(model)
+    assert cached_prompt_gap(trainer) < EXACT  # the prompt's blocks now sit in vLLM's prefix cache
+    if trainer.sparrow_test_schedule != "dense":  # vLLM decoded them sparsely: the dense model disagrees
+        assert cached_prompt_gap(trainer, schedule="dense") > 1e-3
+    perturb_every_parameter(model)  # with LoRA: the frozen base weights and the adapter's
     with FailedLoads() as failed:
         trainer.vllm_generation.sync_weights()
     gap = prompt_logprob_gap(trainer.vllm_generation.llm, model)
     assert gap < EXACT, f"vLLM's prompt log-probs are {gap:.3g} nats off the perturbed model's after the sync"
+    gap = cached_prompt_gap(trainer)
+    assert gap < EXACT, (f"after a prompt cached before the sync, vLLM's {trainer.sparrow_test_schedule} log-probs "
+                         f"are {gap:.3g} nats off the perturbed model's")
     assert failed == []

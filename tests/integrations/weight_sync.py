@@ -18,6 +18,25 @@ def prompt_logprob_gap(llm, model, ids=PROMPT) -> float:
     return float((ours - theirs).abs().max())
 
 
+def completion_logprob_gap(model, prompt_ids, token_ids, logprobs, schedule: str = "dense") -> float:
+    """Largest |log p_vLLM - log p_model| over the completion tokens vLLM sampled after `prompt_ids` (temperature
+    1), the model teacher-forced under `schedule` as the sparse actor decodes (dense prefill, then each token's
+    budget of pages chosen by the landmarks of the cached keys; sparrow.attention.teacher_forced), as the monitor
+    runs it (`measuring`)."""
+    from sparrow.attention.teacher_forced import sparse_completion_logits
+    from sparrow.integrations.monitor import measuring
+    from sparrow.schedules import parse_schedule
+
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)])
+    with torch.no_grad(), measuring(model):  # eval mode (a cache despite gradient checkpointing), attention restored
+        if schedule == "dense":
+            logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+        else:
+            logits = sparse_completion_logits(model, ids, len(prompt_ids), parse_schedule(schedule))[0].float()
+    ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+    return float((ours - torch.tensor(logprobs)).abs().max())
+
+
 def perturb_every_parameter(model, scale: float = 0.05, seed: int = 0) -> None:
     """Add scale * N(0, 1) to every parameter (a tied embedding once, so the LM head moves with it)."""
     gen = torch.Generator().manual_seed(seed)
