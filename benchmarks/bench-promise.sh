@@ -13,6 +13,9 @@
 # SPARROW_TASK=longanswer runs the same experiment in the long-answer regime (issue 40): examples/longanswer-prompts.yaml
 # and examples/smollm2-longanswer.yaml (answers of ~1.3K tokens), 6 steps, held-out mean@4 on 4 prompts, the reward
 # check every 3rd step; about 14 minutes a dense step on 2 cores, so its four runs take most of a day.
+# SPARROW_EXACT=1 adds an exact-mode run per seed (issue 38: the schedule drafts SPARROW_DRAFT_TOKENS tokens, default
+# 4, the dense policy verifies): its rollouts are the dense policy's own samples, so its rewards and losses should
+# equal the dense run's step for step; the report sets its step time against dense's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPARROW=.venv/bin/sparrow
@@ -41,14 +44,23 @@ fi
 mkdir -p "$OUT"
 [ -s "$OUT/train.jsonl" ] || $SPARROW prompts "${TRAIN_PROMPTS[@]}" --out "$OUT/train.jsonl"
 [ -s "$OUT/heldout.jsonl" ] || $SPARROW prompts "${HELDOUT_PROMPTS[@]}" --out "$OUT/heldout.jsonl"
+KINDS=(dense sparse)
+[ "${SPARROW_EXACT:-0}" = 1 ] && KINDS+=(exact)
+K=${SPARROW_DRAFT_TOKENS:-4}
 RUNS=()
 for SEED in $SEEDS; do
-  for S in dense "$SCHEDULE"; do
-    NAME="$( [ "$S" = dense ] && echo dense || echo "sparse-${S//:/-}$SUFFIX" )-seed$SEED"
+  for KIND in "${KINDS[@]}"; do
+    S=$( [ "$KIND" = dense ] && echo dense || echo "$SCHEDULE" )
+    case "$KIND" in
+      dense) NAME=dense-seed$SEED ;;
+      sparse) NAME="sparse-${S//:/-}$SUFFIX-seed$SEED" ;;
+      exact) NAME="exact-${S//:/-}-k$K-seed$SEED" ;;
+    esac
     NAME=${NAME// /}
     # the held-out set before training is the same for every run of one seed: the dense run scores it
     EXTRA=(--eval-at-start)
-    [ "$S" = dense ] || EXTRA=(--no-eval-at-start "${DISTILL[@]}")
+    [ "$KIND" = sparse ] && EXTRA=(--no-eval-at-start "${DISTILL[@]}")
+    [ "$KIND" = exact ] && EXTRA=(--no-eval-at-start --rollout-mode exact --draft-tokens "$K")
     RUNS+=("$OUT/$NAME")
     if [ -s "$OUT/$NAME/eval.jsonl" ] && grep -q "\"step\": $STEPS" "$OUT/$NAME/eval.jsonl"; then continue; fi
     RESUME=$( [ -d "$OUT/$NAME" ] && ls -d "$OUT/$NAME"/checkpoint-* >/dev/null 2>&1 && echo --resume || true )
