@@ -299,6 +299,11 @@ def test_exact_mode_trains_on_dense_samples_monitors_for_free_and_resumes(data, 
     for row in exact:
         assert 1 <= row["rollout/tokens_per_verify"] <= 4 and 0 < row["rollout/drafted_share"] < 1
         assert 0 < row["mismatch/exact/p5"] <= row["mismatch/exact/mean"] <= 1
+        assert 0 <= row["mismatch/exact/p1"] <= row["mismatch/exact/p5"]
+        counts = [v for k, v in row.items() if k.startswith("mismatch/bin_") and k.endswith("/exact_tokens")]
+        assert counts and sum(counts) == row["mismatch/exact/tokens"]  # every drafted token in one length bin
+        assert all(row[k.replace("_tokens", "_p1")] <= row[k.replace("_tokens", "_p5")] for k in row
+                   if k.startswith("mismatch/bin_") and k.endswith("/exact_tokens"))
         assert row["time/monitor_s"] == 0  # recorded while decoding
         assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
     assert any("exact mode" in line and "are 1" in line for line in logs)
