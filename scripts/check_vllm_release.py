@@ -4,13 +4,15 @@
     .venv/bin/python scripts/check_vllm_release.py 0.34.0       # pip download vllm==0.34.0 --no-deps, static
     .venv/bin/python scripts/check_vllm_release.py PATH         # a wheel, an unpacked wheel or a source tree
 
-The CUDA release cannot be imported on a machine without CUDA, so the check is static: it parses the release's
-Python source with `ast` and finds each module, class, method, enum member and attribute in REQUIREMENTS (classes
-through their bases across modules, names through imports and re-exports), compares the signatures the plugin
-overrides or calls, the enum values it orders by, and a few lines of source that fix the KV-cache layout it reads.
-Where the release is the installed one it also checks the same table live (importlib, inspect.signature), imports
-the plugin, registers it and resolves the backends it registered. One line per requirement (OK, MISSING,
-CHANGED with what changed; SKIP for a live step that cannot run here); exit 1 on any MISSING or CHANGED, 2 on a
+The static check needs no install: it parses the release's Python source with `ast` and finds each module, class,
+method, enum member and attribute in REQUIREMENTS (classes through their bases across modules, names through imports
+and re-exports), compares the signatures the plugin overrides or calls, the enum values it orders by, and a few lines
+of source that fix the KV-cache layout it reads. Where the release is the installed one it also checks the same table
+live (importlib, inspect.signature), imports the plugin, registers it and resolves the backends it registered. The
+CUDA release imports on a machine without a GPU (in an environment of its own: `pip install vllm==X` brings its CUDA
+torch), where vLLM resolves no platform: CUDA is then stood in for, so the plugin registers its CUDA wrappers.
+One line per requirement (OK, MISSING, CHANGED with what changed; SKIP for a live step that cannot run here, the
+row keeping its static verdict); exit 1 on any MISSING or CHANGED, 2 on a
 bad argument. What this cannot check (kernels, runtime behaviour, CUDA) is in docs/vllm-plugin.md.
 """
 
@@ -617,6 +619,8 @@ def live_check(need: Need) -> Result | None:
         except AttributeError as err:
             errors.append(f"{target}: {err}")
             continue
+        except Exception as err:  # noqa: BLE001 - a module whose import needs a GPU or CUDA torch (flashinfer's)
+            return Result("SKIP", f"static only, its import fails here: {type(err).__name__}: {str(err)[:100]}")
         name = target.partition(":")[2].rpartition(".")[2]
         if need.kind == "class" and not inspect.isclass(obj):
             return Result("CHANGED", "not a class (live)")
@@ -639,15 +643,29 @@ def live_check(need: Need) -> Result | None:
     return Result("MISSING", "; ".join(errors) + " (live)")
 
 
+def _cuda_stand_in(platform):
+    """`platform` (vLLM's UnspecifiedPlatform: a CUDA build on a machine without a GPU) answering as CUDA, so that
+    the plugin takes its CUDA path: registration and the wrapped backends' classes only, nothing runs on it."""
+    stand_in = type("CudaStandIn", (type(platform),), {"is_cuda": lambda self: True, "is_cpu": lambda self: False,
+                                                       "device_name": "cuda (stood in for: no GPU here)"})
+    return stand_in()
+
+
 def live_plugin() -> Iterator[tuple[str, Result]]:
-    """Import the plugin, register it as vLLM would with a sparse schedule, and resolve what it registered."""
+    """Import the plugin, register it as vLLM would with a sparse schedule, and resolve what it registered. A CUDA
+    build on a machine without a GPU resolves no platform: CUDA is stood in for (`_cuda_stand_in`)."""
     users = os.environ.get("SPARROW_VLLM_SCHEDULE")
     os.environ["SPARROW_VLLM_SCHEDULE"] = "const:256"
-    from vllm.platforms import current_platform
+    import vllm.platforms
+
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from sparrow.vllm import plugin, wrapped
 
+    current_platform = vllm.platforms.current_platform
+    stood_in = not (current_platform.is_cpu() or current_platform.is_cuda())
+    if stood_in:
+        current_platform = vllm.platforms.current_platform = _cuda_stand_in(current_platform)
     try:
         plugin.register()
         yield "register() under SPARROW_VLLM_SCHEDULE=const:256", ok(f"platform {current_platform.device_name}")
@@ -670,6 +688,8 @@ def live_plugin() -> Iterator[tuple[str, Result]]:
                           if not bypass else Result("CHANGED", "cache writes may bypass do_kv_cache_update"))
     finally:
         del os.environ["SPARROW_VLLM_SCHEDULE"]
+        if stood_in:
+            del vllm.platforms.current_platform  # back to vLLM's own (lazily resolved) platform
         plugin.register()  # unset: the plugin deactivates itself
         for member in ("CPU_ATTN", *wrapped.WRAPPED):
             AttentionBackendEnum[member].clear_override()

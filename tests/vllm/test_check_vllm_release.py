@@ -102,3 +102,38 @@ def test_the_installed_release_live_with_the_plugin_registered():
     assert "(static and live check)" in lines[0] and lines[-1] == "all requirements met"
     assert any(line.startswith("OK       plugin   CPU_ATTN resolves to Sparrow's CPU backend") for line in lines)
     assert any(line.startswith("OK       plugin   wrap(TRITON_ATTN)") for line in lines)
+
+
+@needs_vllm
+def test_a_cuda_build_without_a_gpu_registers_the_plugin_on_a_cuda_stand_in(monkeypatch):
+    """vLLM's CUDA release imports without a GPU but resolves no platform (UnspecifiedPlatform): the live check
+    stands CUDA in for it, so the plugin registers its CUDA wrappers, and vLLM's own platform is back afterwards."""
+    import vllm.platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    monkeypatch.delenv("SPARROW_VLLM_SCHEDULE", raising=False)
+    real = vllm.platforms.current_platform
+    vllm.platforms.current_platform = UnspecifiedPlatform()
+    try:
+        results = dict(check.live_plugin())
+        assert "current_platform" not in vars(vllm.platforms)  # the stand-in and the unspecified one are gone
+    finally:
+        vars(vllm.platforms).pop("current_platform", None)
+    assert vllm.platforms.current_platform is real
+    register = results["register() under SPARROW_VLLM_SCHEDULE=const:256"]
+    assert (register.status, register.detail) == ("OK", "platform cuda (stood in for: no GPU here)")
+    assert "CPU_ATTN resolves to Sparrow's CPU backend" not in results  # the CUDA path, not the CPU one
+    assert results["wrap(TRITON_ATTN): vLLM's class, its builder and impl subclassed"].status == "OK"
+    stand_in = check._cuda_stand_in(UnspecifiedPlatform())
+    assert stand_in.is_cuda() and not stand_in.is_cpu() and isinstance(stand_in, UnspecifiedPlatform)
+
+
+def test_a_live_import_that_fails_outside_vllm_leaves_the_row_static(tmp_path, monkeypatch):
+    """A CUDA release next to a CPU torch: flashinfer's import raises AssertionError ("Torch not compiled with CUDA
+    enabled"); that row keeps its static verdict, marked SKIP, instead of stopping the check."""
+    (tmp_path / "needs_a_gpu.py").write_text("raise AssertionError('Torch not compiled with CUDA enabled')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = check.live_check(check.Need("class", "needs_a_gpu:Backend", "", "test"))
+    assert result.status == "SKIP" and "AssertionError: Torch not compiled with CUDA enabled" in result.detail
+    missing = check.live_check(check.Need("class", "vllm_not_a_module_here:Backend", "", "test"))
+    assert missing.status == "OK" and "static only" in missing.detail  # an import error outside vllm, as before
