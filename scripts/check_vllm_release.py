@@ -657,7 +657,6 @@ def live_plugin() -> Iterator[tuple[str, Result]]:
     users = os.environ.get("SPARROW_VLLM_SCHEDULE")
     os.environ["SPARROW_VLLM_SCHEDULE"] = "const:256"
     import vllm.platforms
-
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from sparrow.vllm import plugin, wrapped

@@ -15,6 +15,7 @@ Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts ar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -413,18 +414,16 @@ def acceptance_segments(acceptance, prompt_len: int, gen_len: int) -> list[tuple
         return [(0, gen_len, acceptance)]
     if not acceptance:
         raise SparrowError("per-length acceptance needs at least one (cached length, acceptance) pair")
-    for (start, value), previous in zip(acceptance, [None, *acceptance[:-1]], strict=True):
+    for start, value in acceptance:
         check_int("acceptance's cached length", start, 0)
         check_finite(f"acceptance from {start} cached tokens", value, 0, 1)
-        if previous is not None and start <= previous[0]:
-            raise SparrowError(f"per-length acceptance must ascend in cached length, got {previous[0]} then {start}")
-    runs = []
-    for j, (start, value) in enumerate(acceptance):
-        first = 0 if j == 0 else min(gen_len, max(0, start - prompt_len - 1))
-        end = gen_len if j + 1 == len(acceptance) else min(gen_len, max(0, acceptance[j + 1][0] - prompt_len - 1))
-        if end > first:
-            runs.append((first, end - first, float(value)))
-    return runs
+    for (before, _), (start, _) in itertools.pairwise(acceptance):
+        if start <= before:
+            raise SparrowError(f"per-length acceptance must ascend in cached length, got {before} then {start}")
+    # the first step at each later length (clipped to the trajectory); the first value also covers what precedes it
+    bounds = [0, *(min(gen_len, max(0, start - prompt_len - 1)) for start, _ in acceptance[1:]), gen_len]
+    return [(first, end - first, float(value))
+            for (first, end), (_, value) in zip(itertools.pairwise(bounds), acceptance, strict=True) if end > first]
 
 
 def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
