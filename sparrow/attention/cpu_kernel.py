@@ -10,7 +10,7 @@ It is built on first use (a float32 CPU RolloutEngine loads it when made) with t
 by torch under ~/.cache/torch_extensions, compiled for this CPU with -march=native, under a name of its own per CPU
 model and instruction set, so that machines sharing a home directory never load each other's build: AVX-512 code
 dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path in charge, with one
-warning. SPARROW_CPU_KERNEL=0 turns it off.
+warning of one line saying why (sources missing from the installed package, no compiler, no ninja, a failed build). SPARROW_CPU_KERNEL=0 turns it off.
 
 Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway used to hang
 every later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and
@@ -56,6 +56,10 @@ def load():
     if _tried or not enabled():
         return _module
     _tried = True
+    missing = cannot_build()
+    if missing is not None:
+        warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({missing})")
+        return None
     try:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as build
@@ -70,10 +74,29 @@ def load():
                 _say("building the CPU sparse-decode kernel (once per checkout and CPU, about 30 s)")
             _module = build(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
-    except Exception as err:  # a missing compiler or ninja must not break generation
-        warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({err})")
+    except Exception as err:  # a failed build must not break generation
+        reason = " ".join(str(err).split())
+        reason = reason if len(reason) <= 300 else reason[:300] + " ..."
+        warnings.warn(f"sparrow: CPU sparse-decode kernel unavailable, using the PyTorch path ({reason})")
         _module = None
     return _module
+
+
+def cannot_build() -> str | None:
+    """Why the kernel cannot be built here, in a few words (its sources missing from the installed package, no C++
+    compiler, no ninja), or None when nothing is known to be missing."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    absent = [source.name for source in _SOURCES if not source.is_file()]
+    if absent:
+        return (f"the installed package lacks its kernel sources {', '.join(absent)} in {_SOURCES[0].parent}; "
+                "reinstall sparrow-rl from a wheel or checkout that has them")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX to one)"
+    if not is_ninja_available():
+        return "ninja, which torch builds extensions with, is not installed (pip install ninja)"
+    return None
 
 
 def needs_build(build_dir: Path) -> bool:
