@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sparrow.errors import SparrowError
 from sparrow.io import check_output, require_file
 from sparrow.measure.calibration import (
+    UNREACHED_ACTIONS,
     always_kept_pages,
     calibrate,
     eligible_schedules,
@@ -40,6 +41,8 @@ class CalibrateConfig:
     min_retention: float | None = option(None, "least reward retention (sparse mean reward / dense, from 'sparrow "
                                                "profile --reward') a schedule must keep to be a candidate; every bin "
                                                "gets at least the cheapest such one's budget")
+    unreached: str = option("fail", "a bin where no profiled budget reaches tau + margin: fail (naming the budgets to "
+                            "profile) or dense (a budget covering the bin, reported as such)")
 
     def validate(self) -> None:
         if self.profile is None:
@@ -52,8 +55,13 @@ class CalibrateConfig:
         if self.min_tokens < 1 or self.samples < 1:
             raise SparrowError(f"min_tokens and samples must be >= 1, got {self.min_tokens} and {self.samples}")
         self.machine.validate()
+        if self.unreached not in UNREACHED_ACTIONS:
+            raise SparrowError(f"unknown --unreached {self.unreached!r}: expected one of {', '.join(UNREACHED_ACTIONS)}")
         if self.rollout_mode not in ("sparse", "exact"):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
+        if self.rollout_mode == "exact" and self.unreached != "fail":
+            raise SparrowError("--unreached picks budgets against tau for sparse rollouts; exact mode needs no tau, "
+                               "so it takes no --unreached")
         if self.rollout_mode == "exact" and self.min_retention is not None:
             raise SparrowError("--min-retention guards sparse rollouts' reward; exact mode keeps the dense reward, "
                                "so it takes no --min-retention")
@@ -107,16 +115,23 @@ def run(args) -> int:
     if config.rollout_mode == "exact":
         return run_exact(config, profile, page_size)
     schedule, choices = calibrate(profile, config.tau, config.margin, config.min_tokens, page_size,
-                                  config.min_retention)
+                                  config.min_retention, config.unreached)
     if config.min_retention is not None:
         print_candidates(profile, config.min_retention, page_size)
     print(f"calibrated for tau = {config.tau} (margin {config.margin}), bins of {meta.get('bin_size')} tokens:")
-    print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'cheapest':>9} {'schedule':>9}  measured with")
+    print(f"{'bin (cached tokens)':>22} {'tokens':>7} {'p5':>7} {'cheapest':>9} {'schedule':>9}  {'bound by':<22} "
+          "measured with")
     for c in choices:
         print(f"{f'[{c.start}, {c.end})':>22} {c.tokens:>7} {c.p5:>7.4f} {c.budget:>9} "
-              f"{schedule.budget_at(c.start):>9}  {c.source}")
+              f"{schedule.budget_at(c.start):>9}  {c.bound_by:<22} {c.source}")
     print("(cheapest: the smallest budget reaching tau + margin in the bin; schedule: after making budgets "
-          "non-decreasing in length)")
+          "non-decreasing in length and, with --min-retention, at least the reward floor's; bound by: what set the "
+          "schedule's budget: tau (a cheaper profiled budget missed it), reward floor, non-decreasing (a shorter "
+          "bin's budget), smallest profiled (every profiled budget holds tau), dense: tau unreached)")
+    dense = [c for c in choices if schedule.budget_at(c.start) >= c.end]
+    if dense:
+        print("dense in " + ", ".join(f"[{c.start}, {c.end})" for c in dense) + ": the budget covers every cached "
+              "length of the bin")
     print("schedule: " + ", ".join(f"{s}:{b}" for s, b in zip(schedule.starts, schedule.budgets)))
     write_schedule_json(schedule, config.out, page_size)
     print(f"wrote {config.out}")

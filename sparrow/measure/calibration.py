@@ -10,11 +10,15 @@ gets that minimum, under which its lengths still run dense.
 With a minimum reward retention (profiles made with a reward), a schedule whose retention estimate is below it
 offers nothing, and every bin gets at least the budget of the cheapest schedule that kept the reward, so the
 composed schedule is never cheaper than a schedule known to keep it.
+
+Each bin's choice says which criterion bound its budget (`binding_criteria`): the tail, the reward floor, a
+shorter bin's budget (non-decreasing), none (the smallest profiled budget already holds tau), or, with
+`unreached="dense"`, no profiled budget reaching tau, so the bin runs dense.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
@@ -26,12 +30,39 @@ from sparrow.typed_config import short_repr
 
 @dataclass(frozen=True)
 class BinChoice:
+    """One bin's calibration: `budget`, the cheapest that holds tau + margin there (a budget covering the bin
+    when none does and `unreached` is dense), its p5, tokens and schedule (`source`); `bound_by`, what set the
+    bin's budget in the composed schedule (`binding_criteria`)."""
+
     start: int
     end: int
     budget: int
     p5: float
     tokens: int
     source: str
+    bound_by: str = ""
+
+
+TAIL, FLOOR, SHORTER, SMALLEST, UNREACHED = ("tau", "reward floor", "non-decreasing", "smallest profiled",
+                                            "dense: tau unreached")
+"""What can bind a bin's budget: the tail (a cheaper profiled budget missed tau + margin), the reward floor
+(--min-retention's cheapest eligible schedule), a shorter bin's budget (budgets never fall with length), nothing
+(every profiled budget holds tau: the smallest one stands), or nothing reaching tau (the bin runs dense)."""
+
+UNREACHED_ACTIONS = ("fail", "dense")
+
+
+def binding_criteria(tail: int, tail_excluded: bool, unreached: bool, floor: int, shorter: int, final: int) -> str:
+    """Which criteria gave a bin its `final` budget, joined by ' + ' when the tail and the floor ask for the same:
+    `tail`, the cheapest budget holding tau + margin (with `unreached`, none did and `tail` covers the bin);
+    `tail_excluded`, whether a cheaper profiled budget missed tau + margin; `floor`, the reward floor's budget there
+    (0 without one); `shorter`, the budget of the bin before (0 for the first), named only when it alone is
+    highest."""
+    if shorter > max(tail, floor):
+        return SHORTER
+    found = [UNREACHED if unreached else TAIL] if tail == final and (unreached or tail_excluded) else []
+    found += [FLOOR] if floor and floor == final else []
+    return " + ".join(found or [SMALLEST])
 
 
 _BIN_FIELDS = {"bin": int, "start": int, "end": int, "count": int, "p5": (int, float)}
@@ -159,14 +190,32 @@ def retention_floor(profile: dict, min_retention: float, page_size: int = 16) ->
                key=lambda n: sum(offered_budget(schedules[n], s, e, page_size) for s, e in edges))
 
 
+def _missed_budgets(schedules: dict, need: float, min_tokens: int, page_size: int,
+                    least: int) -> dict[int, list[int]]:
+    """{bin index: the budgets of every profiled schedule (eligible or not) whose p5 there, on at least
+    `min_tokens` tokens, is below `need`}: the evidence that the tail excluded a cheaper budget."""
+    out: dict[int, list[int]] = {}
+    for spec in schedules.values():
+        for b in spec["bins"]:
+            if b["count"] >= min_tokens and b["p5"] < need:
+                budget = max(offered_budget(spec, b["start"], b["end"], page_size), least)
+                out.setdefault(b["bin"], []).append(budget)
+    return out
+
+
 def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 50,
-              page_size: int = 16, min_retention: float | None = None) -> tuple[Schedule, list[BinChoice]]:
+              page_size: int = 16, min_retention: float | None = None,
+              unreached: str = "fail") -> tuple[Schedule, list[BinChoice]]:
     """The calibrated schedule and, per bin, what was chosen and why. With `min_retention` only schedules whose
-    reward retention estimate reaches it are candidates, and no bin gets less than `retention_floor` gives it."""
+    reward retention estimate reaches it are candidates, and no bin gets less than `retention_floor` gives it.
+    A bin where no trusted budget reaches tau + margin fails the calibration (`unreached` "fail") or runs dense
+    ("dense": a budget covering the bin, whose acceptance is 1)."""
     if not 0.0 < tau <= 1.0:
         raise SparrowError(f"tau must be in (0, 1], got {tau}")
     if not 0.0 <= margin < 1.0:
         raise SparrowError(f"margin must be in [0, 1), got {margin}")
+    if unreached not in UNREACHED_ACTIONS:
+        raise SparrowError(f"unknown unreached action {unreached!r}: expected one of {', '.join(UNREACHED_ACTIONS)}")
     check_profile(profile)
     meta = profile.get("meta", {})
     if meta.get("length_origin", "total") != "total":
@@ -174,6 +223,8 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
                            "the length schedules are keyed by")
     kept = always_kept_pages(meta)
     schedules = profile["schedules"]
+    need = tau + margin
+    missed = _missed_budgets(schedules, need, min_tokens, page_size, kept * page_size)
     floor = None
     if min_retention is not None:
         floor = schedules[retention_floor(profile, min_retention, page_size)]
@@ -185,8 +236,7 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
             budget = max(offered_budget(spec, b["start"], b["end"], page_size), kept * page_size)
             by_bin.setdefault(b["bin"], []).append((budget, b["p5"], b["count"], name))
             edges[b["bin"]] = (b["start"], b["end"])
-    need = tau + margin
-    choices, failures = [], []
+    choices, failures, tails = [], [], []  # per choice: (a cheaper profiled budget missed tau, none reached it)
     for k in sorted(by_bin):
         start, end = edges[k]
         trusted = [c for c in by_bin[k] if c[2] >= min_tokens]
@@ -194,21 +244,29 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
         if good:
             budget, p5, count, name = good[0]
             choices.append(BinChoice(start, end, budget, p5, count, name))
+            tails.append((any(b < budget for b in missed.get(k, ())), False))
             continue
-        if trusted:
+        if trusted and unreached == "dense":
+            best = max(trusted, key=lambda c: c[1])
+            choices.append(BinChoice(start, end, max(_round_up(end, page_size), kept * page_size), best[1], best[2],
+                                     f"none (best {best[3]})"))
+            tails.append((False, True))
+        elif trusted:
             best = max(trusted, key=lambda c: c[1])
             largest = max(c[0] for c in trusted)
             failures.append(f"[{start}, {end}): best 5th percentile {best[1]:.4f} ({best[3]}), need {need:.4f}; "
-                            f"profile budgets above {largest} (e.g. const:{2 * largest})")
+                            f"profile budgets above {largest} (e.g. const:{2 * largest}), or --unreached dense")
         else:
             failures.append(f"[{start}, {end}): fewer than {min_tokens} tokens in every schedule; profile more "
                             "prompts or samples, or lower --min-tokens")
     if failures:
         raise SparrowError("no profiled budget reaches tau in these bins:\n  " + "\n  ".join(failures))
     budgets, running = [], 0
-    for choice in choices:
+    for i, choice in enumerate(choices):
         least = 0 if floor is None else offered_budget(floor, choice.start, choice.end, page_size)
-        running = max(running, choice.budget, least)
+        final = max(running, choice.budget, least)
+        bound = binding_criteria(choice.budget, *tails[i], least, running, final)
+        choices[i], running = replace(choice, bound_by=bound), final
         budgets.append(running)
     starts, values = [], []
     for i, (choice, budget) in enumerate(zip(choices, budgets)):

@@ -157,3 +157,33 @@ def test_a_resumed_profile_with_other_answers_is_refused(tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "3"}) + "\n" for n in (120, 77)))
     assert main(args) != 0
     assert "answers_hash differ" in capsys.readouterr().err
+
+
+def test_each_bin_names_the_criterion_that_bound_its_budget(tmp_path, capsys):
+    """Bin 0: every budget holds tau and 256 loses the reward, so the floor (512) binds; bin 1: 256 misses tau
+    too, both bind; bin 2: only 1024 holds tau; bin 3: 512 would do, but bin 2's 1024 carries over; bin 4: no
+    profiled budget holds tau, so it runs dense. Without the floor, bin 0's smallest budget already holds tau."""
+    table = {256: [0.95, 0.80, 0.70, 0.90, 0.50], 512: [0.95, 0.90, 0.80, 0.95, 0.60],
+             1024: [0.99, 0.95, 0.90, 0.95, 0.70], 2048: [0.99, 0.99, 0.95, 0.99, 0.80]}
+    retention = {256: (0.70, 0.6, 0.8), 512: (0.97, 0.93, 1.01), 1024: (0.99, 0.96, 1.02),
+                 2048: (0.99, 0.96, 1.02)}
+    profile = _profile(table, retention)
+    with pytest.raises(SparrowError, match=r"\[4000, 5000\).*or --unreached dense"):
+        calibrate(profile, 0.86, min_retention=0.95)
+    schedule, choices = calibrate(profile, 0.86, min_retention=0.95, unreached="dense")
+    assert [c.bound_by for c in choices] == ["reward floor", "tau + reward floor", "tau", "non-decreasing",
+                                             "dense: tau unreached"]
+    assert [schedule.budget_at(c.start) for c in choices] == [512, 512, 1024, 1024, 5008]
+    assert choices[4].source == "none (best const:2048)" and choices[4].p5 == 0.80
+    _, alone = calibrate(_profile({k: v[:4] for k, v in table.items()}, None), 0.86)
+    assert [c.bound_by for c in alone] == ["smallest profiled", "tau", "tau", "non-decreasing"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    args = ["calibrate", "--profile", str(path), "--out", str(tmp_path / "s.json"), "--min-retention", "0.95"]
+    assert main(args + ["--unreached", "dense"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("[")}
+    assert "tau + reward floor" in rows["[1000,"] and "dense: tau unreached" in rows["[4000,"]
+    assert main(args + ["--unreached", "largest"]) == 2
+    assert "unknown --unreached 'largest': expected one of fail, dense" in capsys.readouterr().err
+    with pytest.raises(SparrowError, match="unreached"):
+        calibrate(profile, 0.86, unreached="largest")
