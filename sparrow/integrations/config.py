@@ -28,6 +28,8 @@ class SparrowConfig:
     schedule_file: the file the vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@schedule_file`); default
       `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.
     landmark, dense_layers, page_size: the sparse attention, as `sparrow train`'s options.
+    adaptive_fallback: `budget` (a bin below tau gets the next budget up) or `dense` (a budget covering it);
+      `sparrow train`'s `exact` is refused here, since vLLM has no exact mode.
     The defaults are `sparrow train`'s: read from its sections (MonitorSection, SparseSection, AdaptiveSection).
     correction: `auto` (TRL's importance sampling correction becomes token-level truncation, Sparrow's TIS, unless
       the GRPOConfig names another `vllm_importance_sampling_mode` than TRL's default) or `trl` (GRPOConfig's as
@@ -47,6 +49,7 @@ class SparrowConfig:
     adaptive_margin: float = AdaptiveSection.margin
     adaptive_patience: int = AdaptiveSection.patience
     adaptive_min_tokens: int = AdaptiveSection.min_tokens
+    adaptive_fallback: str = AdaptiveSection.fallback
     correction: str = "auto"
 
     def __post_init__(self) -> None:
@@ -56,6 +59,9 @@ class SparrowConfig:
                                "vllm_importance_sampling_mode as it is)")
         self.monitor.validate()
         self.adaptive.validate()
+        if self.adaptive_fallback == "exact":
+            raise SparrowError("SparrowConfig.adaptive_fallback 'exact': exact rollouts run in Sparrow's engine, not "
+                               "in vLLM; expected 'budget' (the next budget up) or 'dense' (a budget covering the bin)")
         if not isinstance(self.schedule, str) or not self.schedule.strip():
             raise SparrowError(f"schedule {self.schedule!r}: expected a schedule spec, preset, file or 'adaptive'")
         self.start_schedule()  # a bad spec stops here, before TRL builds anything
@@ -74,7 +80,8 @@ class SparrowConfig:
     @property
     def adaptive(self) -> AdaptiveSection:
         return AdaptiveSection(start=self.adaptive_start, margin=self.adaptive_margin,
-                               patience=self.adaptive_patience, min_tokens=self.adaptive_min_tokens)
+                               patience=self.adaptive_patience, min_tokens=self.adaptive_min_tokens,
+                               fallback=self.adaptive_fallback)
 
     @property
     def is_adaptive(self) -> bool:

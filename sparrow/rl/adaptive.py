@@ -8,14 +8,16 @@ reports) and under the schedule one rung cheaper in every bin. The second measur
 (the prefixes were sampled one rung up), which is what makes the cheaper budget measurable without paying for
 rollouts it might spoil. Per bin with at least `min_tokens` measured tokens:
 
-* up: if the 95% interval of the current p5 lies below tau, the bin moves one rung up at once; if only the
-  estimate is below tau, after `patience` such steps in a row;
+* up: if the current p5 is below tau, the next step's rollouts in that bin are safer at once, as the fallback
+  says (`FALLBACKS`): `budget`, one rung up; `dense`, the first rung covering the bin; `exact`, one rung up, and
+  the bin is "fallen": while any bin is, every step rolls out in exact mode (the schedule drafts, the dense policy
+  verifies), until the fallen bin's p5 interval clears tau + margin on `patience` monitored steps in a row;
 * down: if the lower end of the cheaper budget's p5 interval reaches tau + margin on `patience` steps in a row,
   the bin moves one rung down.
 
-Raising on weak evidence and lowering only on certain evidence with a margin is the hysteresis: a bin does not
-oscillate between two rungs around tau. The state (budgets and streaks) is small and saved in checkpoints, so a
-resumed run continues exactly.
+Raising on one step's estimate and lowering only on certain evidence with a margin is the hysteresis: a bin does
+not oscillate between two rungs around tau. The state (budgets, streaks, fallen bins) is small and saved in
+checkpoints, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -42,19 +44,42 @@ def ladder(page_size: int, always_kept_pages: int, max_length: int) -> list[int]
     return [p * page_size for p in pages]
 
 
+FALLBACKS = ("budget", "dense", "exact")
+"""What a bin whose p5 fell below tau gets at the next step: the next budget up, a budget covering the bin, or the
+next budget up with the step rolled out in exact mode."""
+
+
 @dataclass(frozen=True)
 class AdaptiveState:
-    """Per length bin [i * bin_size, (i + 1) * bin_size): the budget's rung on the ladder and the two streaks."""
+    """Per length bin [i * bin_size, (i + 1) * bin_size): the budget's rung on the ladder, the steps in a row its
+    cheaper rung held tau + margin (`down_streaks`), whether it fell back to exact mode (`fallen`, 0 or 1) and the
+    steps in a row a fallen bin has held tau + margin since (`holds`)."""
 
     bin_size: int
     ladder: tuple[int, ...]
     rungs: tuple[int, ...]
-    up_streaks: tuple[int, ...]
     down_streaks: tuple[int, ...]
+    fallen: tuple[int, ...] = ()
+    holds: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("fallen", "holds"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0,) * len(self.rungs))
 
     @property
     def budgets(self) -> list[int]:
         return [self.ladder[r] for r in self.rungs]
+
+    @property
+    def exact(self) -> bool:
+        """Whether the next step rolls out in exact mode (a bin fell back to it)."""
+        return any(self.fallen)
+
+    def covering_rung(self, b: int) -> int:
+        """The first rung whose budget covers bin `b`'s every cached length (dense attention there)."""
+        end = (b + 1) * self.bin_size
+        return next((r for r, budget in enumerate(self.ladder) if budget >= end), len(self.ladder) - 1)
 
     def schedule(self, offset: int = 0) -> Schedule:
         """The schedule in force (`offset` -1: every bin one rung cheaper, never below the ladder's first)."""
@@ -67,7 +92,9 @@ class AdaptiveState:
 
     @classmethod
     def from_json(cls, data: dict) -> AdaptiveState:
-        return cls(data["bin_size"], *(tuple(data[k]) for k in ("ladder", "rungs", "up_streaks", "down_streaks")))
+        """The state `to_json` wrote (a state saved before fallen bins existed has none)."""
+        return cls(data["bin_size"], *(tuple(data.get(k, ())) for k in ("ladder", "rungs", "down_streaks", "fallen",
+                                                                          "holds")))
 
 
 def start_state(start: Schedule, bin_size: int, max_length: int, page_size: int,
@@ -80,32 +107,70 @@ def start_state(start: Schedule, bin_size: int, max_length: int, page_size: int,
     for i in range(bins):
         wanted = max_length if start.is_dense else start.budget_at(max(1, i * bin_size))
         rungs.append(next((r for r, b in enumerate(steps) if b >= wanted), len(steps) - 1))
-    zeros = (0,) * bins
-    return AdaptiveState(bin_size, tuple(steps), tuple(rungs), zeros, zeros)
+    return AdaptiveState(bin_size, tuple(steps), tuple(rungs), (0,) * bins)
 
 
-def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[int, np.ndarray], tau: float,
-           margin: float, patience: int, min_tokens: int) -> tuple[AdaptiveState, list[str]]:
-    """The state after one step's measurements ({bin index: exact acceptance of its tokens} under the schedule in
-    force and under the one-rung-cheaper schedule) and what moved, as messages."""
+@dataclass(frozen=True)
+class BinTail:
+    """One bin's evidence of a step under the schedule in force: its p5 with the 95% interval, and its tokens."""
+
+    p5: float
+    low: float
+    high: float
+    tokens: int
+
+
+def current_tails(state: AdaptiveState, current: dict[int, np.ndarray], min_tokens: int) -> dict[int, BinTail]:
+    """{bin index: its tail} for the bins of the ladder with at least `min_tokens` tokens measured under the
+    schedule in force: the bins a step decides on."""
+    out = {}
+    for b, values in current.items():
+        if 0 <= b < len(state.rungs) and len(values) >= min_tokens:
+            low, p5, high = quantile_interval(values)
+            out[b] = BinTail(float(p5), float(low), float(high), len(values))
+    return out
+
+
+def check_rule(margin: float, patience: int, min_tokens: int, fallback: str) -> None:
+    """A SparrowError naming the first bad setting of the adaptive rule."""
     if patience < 1 or min_tokens < 1 or not 0 <= margin < 1:
         raise SparrowError(f"adaptive schedule needs patience >= 1, min_tokens >= 1 and margin in [0, 1), got "
                            f"{patience}, {min_tokens}, {margin}")
-    rungs, ups, downs = list(state.rungs), list(state.up_streaks), list(state.down_streaks)
+    if fallback not in FALLBACKS:
+        raise SparrowError(f"unknown adaptive_fallback {fallback!r}: expected one of {', '.join(FALLBACKS)}")
+
+
+def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[int, np.ndarray], tau: float,
+           margin: float, patience: int, min_tokens: int,
+           fallback: str = "budget") -> tuple[AdaptiveState, list[str]]:
+    """The state after one step's measurements ({bin index: exact acceptance of its tokens} under the schedule in
+    force and under the one-rung-cheaper schedule) and what moved, as messages."""
+    check_rule(margin, patience, min_tokens, fallback)
+    rungs, downs = list(state.rungs), list(state.down_streaks)
+    fallen, holds = list(state.fallen), list(state.holds)
     evidence = cheaper_tails(state, cheaper, min_tokens)
     events = []
-    for b in range(len(rungs)):
-        values = current.get(b)
-        if values is None or len(values) < min_tokens:
-            continue
-        low, p5, high = quantile_interval(values)
+    for b, tail in sorted(current_tails(state, current, min_tokens).items()):
         span = f"[{b * state.bin_size}, {(b + 1) * state.bin_size})"
-        ups[b] = ups[b] + 1 if p5 < tau else 0
-        if (high < tau or ups[b] >= patience) and rungs[b] + 1 < len(state.ladder):
-            rungs[b] += 1
-            ups[b] = downs[b] = 0
-            events.append(f"bin {span}: p5 {p5:.3f} (interval {low:.3f}..{high:.3f}) below tau {tau}; budget up "
-                          f"to {state.ladder[rungs[b]]}")
+        seen = f"p5 {tail.p5:.3f} (interval {tail.low:.3f}..{tail.high:.3f}, {tail.tokens} tokens)"
+        if tail.p5 < tau:
+            target = state.covering_rung(b) if fallback == "dense" else rungs[b] + 1
+            target = max(rungs[b], min(target, len(state.ladder) - 1))
+            falls = fallback == "exact" and not fallen[b]
+            downs[b] = holds[b] = 0
+            if target == rungs[b] and not falls:
+                continue
+            moved = f"up to {state.ladder[target]}" if target > rungs[b] else f"stays at {state.ladder[target]}"
+            how = "; the next step rolls out in exact mode" if fallback == "exact" else ""
+            rungs[b], fallen[b] = target, int(fallback == "exact")
+            events.append(f"bin {span}: {seen} below tau {tau}; budget {moved}{how}")
+            continue
+        if fallen[b]:
+            holds[b] = holds[b] + 1 if tail.low >= tau + margin else 0
+            if holds[b] >= patience:
+                fallen[b] = holds[b] = 0
+                events.append(f"bin {span}: {seen} at {state.ladder[rungs[b]]} tokens, above tau {tau} + margin "
+                              f"{margin} on {patience} step(s); its rollouts leave exact mode")
             continue
         if b not in evidence:
             downs[b] = 0
@@ -114,10 +179,11 @@ def update(state: AdaptiveState, current: dict[int, np.ndarray], cheaper: dict[i
         downs[b] = downs[b] + 1 if low_c >= tau + margin else 0
         if downs[b] >= patience:
             rungs[b] -= 1
-            ups[b] = downs[b] = 0
+            downs[b] = 0
             events.append(f"bin {span}: p5 at {state.ladder[rungs[b]]} tokens is {p5_c:.3f} (>= {low_c:.3f}, "
                           f"above tau {tau} + margin {margin}); budget down to {state.ladder[rungs[b]]}")
-    return AdaptiveState(state.bin_size, state.ladder, tuple(rungs), tuple(ups), tuple(downs)), events
+    return AdaptiveState(state.bin_size, state.ladder, tuple(rungs), tuple(downs), tuple(fallen),
+                         tuple(holds)), events
 
 
 def cheaper_tails(state: AdaptiveState, cheaper: dict[int, np.ndarray], min_tokens: int) -> dict[int, tuple[float,

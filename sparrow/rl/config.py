@@ -27,7 +27,7 @@ from sparrow.options import (
 from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_finite, check_int, option, section
 
-from .adaptive import ADAPTIVE
+from .adaptive import ADAPTIVE, FALLBACKS
 from .distill import DistillConfig
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
@@ -187,15 +187,21 @@ class AdaptiveSection:
                         flag="adaptive_start")
     margin: float = option(0.02, "with --schedule adaptive: a bin moves down only when the cheaper rung's p5 "
                            "interval clears tau + margin", flag="adaptive_margin")
-    patience: int = option(2, "with --schedule adaptive: consecutive steps of evidence before a bin moves (up at "
-                           "once when certainly below tau)", flag="adaptive_patience")
+    patience: int = option(2, "with --schedule adaptive: consecutive monitored steps of evidence before a bin moves "
+                           "down or a fallen bin leaves exact mode (a bin below tau moves up after one)",
+                           flag="adaptive_patience")
     min_tokens: int = option(200, "with --schedule adaptive: measured tokens a bin needs in a step to be decided on",
                              flag="adaptive_min_tokens")
+    fallback: str = option("budget", "with --schedule adaptive: what a bin whose p5 fell below tau gets at the next "
+                           "step: budget (the next rung up), dense (a budget covering the bin) or exact (the next "
+                           "rung up, and steps roll out in exact mode until the bin holds tau + margin)",
+                           flag="adaptive_fallback")
 
     def validate(self) -> None:
         check_finite("adaptive_margin", self.margin, 0, 1, high_open=True)
         check_int("adaptive_patience", self.patience, 1)
         check_int("adaptive_min_tokens", self.min_tokens, 1)
+        _check_choice("adaptive_fallback", self.fallback, FALLBACKS)
 
 
 @dataclass
@@ -296,6 +302,14 @@ class TrainConfig:
                                f"not {self.monitor.monitor!r}")
         if adaptive and distill.switch_schedule is not None:
             raise SparrowError("schedule adaptive and switch_schedule both choose the rollout schedule; give one")
+        if adaptive and self.adaptive.fallback == "exact":
+            if self.sparse.exact:
+                raise SparrowError("adaptive_fallback exact falls back to exact rollouts, and --rollout-mode exact "
+                                   "rolls out every step in exact mode already; give one or the other")
+            if self.rollout.backend == "vllm":
+                raise SparrowError("adaptive_fallback exact rolls out fallen steps in exact mode, which runs in "
+                                   "Sparrow's engine (--backend native), not in vLLM; use adaptive_fallback budget or "
+                                   "dense")
         switch = None
         if distill.switch_schedule is not None:
             switch = self.sparse.parse(distill.switch_schedule)
@@ -348,8 +362,8 @@ class TrainConfig:
     def _dependent_options(self) -> list[tuple[tuple[str, ...], bool, str]]:
         """Options that only act under another one: (their names, whether that one is in force, what it is)."""
         return [
-            (("adaptive_start", "adaptive_margin", "adaptive_patience", "adaptive_min_tokens"), self.parsed.adaptive,
-             "schedule adaptive"),
+            (("adaptive_start", "adaptive_margin", "adaptive_patience", "adaptive_min_tokens", "adaptive_fallback"),
+             self.parsed.adaptive, "schedule adaptive"),
             (("eval_every", "eval_generations", "eval_schedule"), self.eval.data is not None, "eval_data"),
             (("distill_lr", "distill_rank", "distill_alpha", "distill_targets", "distill_dropout", "distill_lambda",
               "distill_kl"), self.distill.enabled, "distill (the adapter)"),
@@ -358,6 +372,8 @@ class TrainConfig:
             (("kl_estimator",), self.grpo.kl_coef > 0, "kl_coef above 0"),
         ]
 
-    def step_config(self) -> StepConfig:
-        """The sections one GRPO step reads."""
-        return StepConfig(self.grpo, self.sampling, self.monitor, self.sparse.config(), self.sparse.draft)
+    def step_config(self, exact: bool = False) -> StepConfig:
+        """The sections one GRPO step reads; `exact`: the step rolls out in exact mode (an adaptive bin fell back
+        to it), drafting `draft_tokens` per verification."""
+        draft = self.sparse.draft_tokens if exact else self.sparse.draft
+        return StepConfig(self.grpo, self.sampling, self.monitor, self.sparse.config(), draft)

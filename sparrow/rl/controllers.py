@@ -1,7 +1,7 @@
 """Who picks each training step's schedule: one controller per run, so the training loop has no special cases.
 
 Each is a `ScheduleController`. `FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length bin's budget on the step's
-exact acceptance (rl/adaptive.py). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few
+exact acceptance (rl/adaptive.py), and with `adaptive_fallback: exact` asks for exact rollouts (`exact()`). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few
 steps on held-out prompts and switches to it once its tail holds tau. The loop asks `schedule()` and `measure()`
 (schedules to teacher-force beside it) before a step, passes the finished step to `after_step` (which may add
 metrics and returns messages to log), and saves `state()` with each checkpoint (`restore` on resume).
@@ -16,7 +16,7 @@ import numpy as np
 
 from sparrow.schedules import Schedule
 
-from .adaptive import AdaptiveState, by_bin, cheaper_tails, update
+from .adaptive import AdaptiveState, by_bin, cheaper_tails, current_tails, update
 from .config import AdaptiveSection, TrainConfig
 from .probes import SwitchState, observe_probe, probe
 from .step import Policy, StepBatch
@@ -34,6 +34,10 @@ class ScheduleController(ABC):
 
     def measure(self) -> dict[str, Schedule] | None:
         return None
+
+    def exact(self) -> bool:
+        """Whether the next step rolls out in exact mode instead of with the schedule alone."""
+        return False
 
     def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
         return []
@@ -58,9 +62,11 @@ class FixedSchedule(ScheduleController):
 class AdaptiveSchedule(ScheduleController):
     """The adaptive controller of `sparrow train` and of the TRL integration: the schedule in force and one rung
     cheaper are measured every step, and each bin's budget moves as `adaptive.update` decides (`observe`); the
-    budgets in force go into the metrics as `adaptive/bin_<start>/budget` (`budget_metrics`), and the evidence a
-    move down waits on as `adaptive/bin_<start>/cheaper_p5` and `cheaper_p5_low` (`evidence`, the p5 one rung
-    cheaper and the lower end of its interval)."""
+    budgets in force go into the metrics as `adaptive/bin_<start>/budget` (`budget_metrics`), and per bin decided
+    on, what moved and on what evidence (`evidence`): `p5`, `p5_low`, `p5_high` and `tokens` under the schedule in
+    force, `move` (+1 up, -1 down, 0) and `next_budget`, `down_streak`, `cheaper_p5` and `cheaper_p5_low` (the p5
+    one rung cheaper and the lower end of its interval, what a move down waits on) and, with the exact fallback,
+    `fallen` and `hold_streak`; `adaptive/exact_next` says whether the next step rolls out in exact mode."""
 
     def __init__(self, start: AdaptiveState, tau: float, rule: AdaptiveSection):
         self.current, self.tau, self.rule = start, tau, rule
@@ -72,6 +78,9 @@ class AdaptiveSchedule(ScheduleController):
     def measure(self) -> dict[str, Schedule]:
         return {"cheaper": self.current.schedule(-1)}
 
+    def exact(self) -> bool:
+        return self.rule.fallback == "exact" and self.current.exact
+
     def budget_metrics(self) -> dict[str, int]:
         """Each bin's budget in force, by the bin's first cached length."""
         state = self.current
@@ -80,22 +89,26 @@ class AdaptiveSchedule(ScheduleController):
     def observe(self, current: np.ndarray, cheaper: np.ndarray, positions: np.ndarray) -> list[str]:
         """One step's exact acceptance of its measured tokens under the schedule in force and one rung cheaper, at
         their cached lengths `positions`: each bin's move. Returns what moved."""
-        size, rule = self.current.bin_size, self.rule
+        size, rule, before = self.current.bin_size, self.rule, self.current
         positions = np.asarray(positions).astype(np.int64)
-        lower = by_bin(cheaper, positions, size)
-        self.evidence = {}
-        for b, (p5, low) in cheaper_tails(self.current, lower, rule.min_tokens).items():
-            self.evidence[f"adaptive/bin_{b * size}/cheaper_p5"] = p5
-            self.evidence[f"adaptive/bin_{b * size}/cheaper_p5_low"] = low
-        self.current, moved = update(self.current, by_bin(current, positions, size), lower, self.tau, rule.margin,
-                                     rule.patience, rule.min_tokens)
+        current, cheaper = np.asarray(current, dtype=np.float64), np.asarray(cheaper, dtype=np.float64)
+        at = by_bin(current[~np.isnan(current)], positions[~np.isnan(current)], size)
+        lower = by_bin(cheaper[~np.isnan(cheaper)], positions[~np.isnan(cheaper)], size)  # NaN: not measured
+        self.current, moved = update(before, at, lower, self.tau, rule.margin, rule.patience, rule.min_tokens,
+                                     rule.fallback)
+        self.evidence = step_evidence(before, self.current, current_tails(before, at, rule.min_tokens),
+                                      cheaper_tails(before, lower, rule.min_tokens), rule.fallback == "exact")
         return moved
 
     def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
         metrics.update(self.budget_metrics())
+        if self.rule.fallback == "exact":
+            metrics["adaptive/exact"] = int(self.exact())  # this step's rollouts: exact mode or the schedule
         if done.exact is None:
             return []
-        moved = self.observe(done.exact.cpu().numpy(), done.measured["cheaper"].cpu().numpy(),
+        current = done.exact.cpu().numpy()
+        cheaper = done.measured.get("cheaper")  # exact steps teacher-force nothing: no cheaper rung measured
+        moved = self.observe(current, np.full_like(current, np.nan) if cheaper is None else cheaper.cpu().numpy(),
                              done.exact_at.cpu().numpy())
         metrics.update(self.evidence)
         return [f"step {step}: adaptive schedule: {event}" for event in moved]
@@ -105,6 +118,28 @@ class AdaptiveSchedule(ScheduleController):
 
     def restore(self, saved: dict) -> None:
         self.current = AdaptiveState.from_json(saved["adaptive"])
+
+
+def step_evidence(before: AdaptiveState, after: AdaptiveState, tails: dict, cheaper: dict, exact: bool) -> dict:
+    """The metrics of one adaptive step, per bin decided on (`tails`: under the schedule in force) or with
+    evidence one rung cheaper, keyed `adaptive/bin_<start>/...`: what it measured and what moved."""
+    out: dict[str, float] = {}
+    for b in sorted(set(tails) | set(cheaper)):
+        key = f"adaptive/bin_{b * before.bin_size}"
+        if b in tails:
+            tail = tails[b]
+            out.update({f"{key}/p5": tail.p5, f"{key}/p5_low": tail.low, f"{key}/p5_high": tail.high,
+                        f"{key}/tokens": tail.tokens})
+        if b in cheaper:
+            out[f"{key}/cheaper_p5"], out[f"{key}/cheaper_p5_low"] = cheaper[b]
+        out[f"{key}/move"] = (after.rungs[b] > before.rungs[b]) - (after.rungs[b] < before.rungs[b])
+        out[f"{key}/next_budget"] = after.budgets[b]
+        out[f"{key}/down_streak"] = after.down_streaks[b]
+        if exact:
+            out[f"{key}/fallen"], out[f"{key}/hold_streak"] = after.fallen[b], after.holds[b]
+    if exact:
+        out["adaptive/exact_next"] = int(after.exact)
+    return out
 
 
 class SwitchSchedule(ScheduleController):

@@ -140,9 +140,10 @@ def _train(config: TrainConfig, log) -> list[dict]:
         for step in range(start, grpo.steps):
             began = time.perf_counter()
             batch = [examples[i] for i in sampler.batch(step)]
-            done = run_step(policy, backend, batch, rewards, controller.schedule(), step_cfg,
+            cfg = config.step_config(exact=True) if controller.exact() else step_cfg  # an adaptive bin fell back
+            done = run_step(policy, backend, batch, rewards, controller.schedule(), cfg,
                             seed=run.seed * 1_000_003 + step, number=step + 1, measure=controller.measure())
-            metrics = {**step_metrics(done, step_cfg), **getattr(backend, "stats", {})}
+            metrics = {**step_metrics(done, cfg), **getattr(backend, "stats", {})}
             for event in controller.after_step(step + 1, done, metrics):
                 log(event)
             metrics = {"step": step + 1, **metrics, "time/step_s": time.perf_counter() - began}

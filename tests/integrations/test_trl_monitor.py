@@ -134,10 +134,15 @@ def test_the_adaptive_schedule_drives_rl_adaptive_unchanged_and_writes_versions(
     assert moved == events and len(moved) == 2 and runtime.state == expected
     schedule, version = read_schedule_file(path)
     assert version == 2 and list(schedule.budgets) == expected.budgets == [256, 64]
+    evidence = {f"adaptive/bin_{start}/{name}": value for start, values in (
+        (0, {"p5": 0.5, "p5_low": 0.5, "p5_high": 0.5, "move": 1.0, "next_budget": 256.0}),
+        (256, {"p5": 1.0, "p5_low": 1.0, "p5_high": 1.0, "move": -1.0, "next_budget": 64.0}))
+        for name, value in {**values, "tokens": 200.0, "down_streak": 0.0}.items()}
     assert runtime.metrics(2) == {"sparrow/schedule_version": 2.0, "adaptive/bin_0/budget": 256.0,
                                   "adaptive/bin_256/budget": 64.0,  # the budgets written next and the tails one
                                   "adaptive/bin_0/cheaper_p5": 0.4, "adaptive/bin_0/cheaper_p5_low": 0.4,  # rung
-                                  "adaptive/bin_256/cheaper_p5": 0.99, "adaptive/bin_256/cheaper_p5_low": 0.99}
+                                  "adaptive/bin_256/cheaper_p5": 0.99, "adaptive/bin_256/cheaper_p5_low": 0.99,
+                                  **evidence}  # what each bin measured under the schedule in force, what moved
     follower = RunTimeSchedule(config, tmp_path / "other.json", 512, writer=False)
     follower.update(current, cheaper, positions)
     assert follower.state == runtime.state and not (tmp_path / "other.json").exists()  # only the writer writes

@@ -39,6 +39,14 @@ def test_an_unknown_schedule_lists_every_accepted_form_adaptive_included():
     assert "adaptive" not in str(err.value)
 
 
+def test_the_adaptive_fallback_is_budget_or_dense_under_vllm():
+    assert SparrowConfig(adaptive_fallback="dense").adaptive.fallback == "dense"
+    with pytest.raises(SparrowError, match="adaptive_fallback 'exact': exact rollouts run in Sparrow's engine"):
+        SparrowConfig(adaptive_fallback="exact")
+    with pytest.raises(SparrowError, match="unknown adaptive_fallback 'up'"):
+        SparrowConfig(adaptive_fallback="up")
+
+
 def grpo_config(tmp_path, **kwargs):
     from trl import GRPOConfig
 

@@ -29,14 +29,43 @@ def test_the_ladder_starts_at_the_always_kept_pages_and_ends_covering_the_length
     assert uneven.budgets == [64, 128, 512]
 
 
-def test_a_bin_certainly_below_tau_moves_up_at_once_and_one_only_likely_below_after_patience():
+def test_a_bin_below_tau_moves_up_after_one_monitored_step_certain_or_not():
     state, events = update(_state(), {0: _alpha(0.6)}, {}, TAU, MARGIN, patience=2, min_tokens=100)
     assert state.budgets == [512, 256, 256] and "budget up to 512" in events[0]
     barely = np.concatenate([np.full(22, 0.79), np.full(378, 0.95)])  # p5 just below tau, interval across it
     once, events = update(_state(), {1: barely}, {}, TAU, MARGIN, patience=2, min_tokens=100)
-    assert once.budgets == [256, 256, 256] and once.up_streaks[1] == 1 and events == []
-    twice, _ = update(once, {1: barely}, {}, TAU, MARGIN, patience=2, min_tokens=100)
-    assert twice.budgets == [256, 512, 256]
+    assert once.budgets == [256, 512, 256] and "p5 0.790" in events[0] and "400 tokens" in events[0]
+    few, events = update(_state(), {1: barely[:99]}, {}, TAU, MARGIN, patience=2, min_tokens=100)
+    assert few == _state() and events == []  # below tau, but too few tokens to say so
+
+
+@pytest.mark.parametrize("fallback, budgets, fallen", [("budget", [512, 256, 256], (0, 0, 0)),
+                                                       ("dense", [512, 256, 256], (0, 0, 0)),
+                                                       ("exact", [512, 256, 256], (1, 0, 0))])
+def test_each_fallback_acts_at_the_next_step(fallback, budgets, fallen):
+    """Bin 0 ([0, 512)) is covered by 512 tokens, so dense and the next rung agree there; bin 2 ([1024, 1536))
+    needs 2048 to be dense."""
+    state, events = update(_state(), {0: _alpha(0.6)}, {}, TAU, MARGIN, 2, 100, fallback)
+    assert state.budgets == budgets and state.fallen == fallen and state.exact == (fallback == "exact")
+    assert events[0].endswith("next step rolls out in exact mode") == (fallback == "exact")
+    far, _ = update(_state(), {2: _alpha(0.6)}, {}, TAU, MARGIN, 2, 100, fallback)
+    assert far.budgets[2] == {"budget": 512, "dense": 2048, "exact": 512}[fallback]
+    assert far.covering_rung(2) == far.ladder.index(2048)
+
+
+def test_a_fallen_bin_leaves_exact_mode_only_after_patience_steps_above_tau_plus_margin():
+    state, _ = update(_state(), {0: _alpha(0.6)}, {}, TAU, MARGIN, 2, 100, "exact")
+    state, events = update(state, {0: _alpha(0.7)}, {}, TAU, MARGIN, 2, 100, "exact")  # still below: up again
+    assert state.budgets[0] == 1024 and state.exact and "up to 1024" in events[0]
+    state, _ = update(state, {0: _alpha(0.81)}, {}, TAU, MARGIN, 2, 100, "exact")  # within the margin: no hold
+    assert state.exact and state.holds[0] == 0
+    state, events = update(state, {0: _alpha(0.95)}, {}, TAU, MARGIN, 2, 100, "exact")
+    assert state.exact and state.holds[0] == 1 and events == []
+    state, events = update(state, {0: _alpha(0.95)}, {}, TAU, MARGIN, 2, 100, "exact")
+    assert not state.exact and state.budgets[0] == 1024 and "leave exact mode" in events[0]
+    top = start_state(DENSE, 512, 512, 16, 3)
+    top, events = update(top, {0: _alpha(0.1)}, {}, TAU, MARGIN, 1, 100, "exact")
+    assert top.exact and top.budgets == [top.ladder[-1]] and "stays at" in events[0]
 
 
 def test_a_bin_moves_down_only_after_patience_steps_certainly_above_tau_plus_margin():
@@ -69,6 +98,12 @@ def test_the_schedules_in_force_and_one_rung_cheaper_and_the_state_round_trip():
     assert state.schedule().budget_at(700) == 128 and state.schedule(-1).budgets == (48, 64, 256)
     assert parse_schedule(state.schedule().name) == state.schedule()
     assert AdaptiveState.from_json(state.to_json()) == state
+    fallen, _ = update(state, {1: _alpha(0.5)}, {}, TAU, MARGIN, 2, 100, "exact")
+    assert AdaptiveState.from_json(fallen.to_json()) == fallen and fallen.fallen == (0, 1, 0)
+    saved = {"bin_size": 512, "ladder": list(state.ladder), "rungs": [1, 2, 4], "up_streaks": [0, 1, 0],
+             "down_streaks": [0, 0, 1]}  # a checkpoint's state from before fallen bins
+    old = AdaptiveState.from_json(saved)
+    assert old.budgets == [64, 128, 512] and old.fallen == (0, 0, 0) and old.down_streaks == (0, 0, 1)
     grouped = by_bin(np.array([0.1, 0.2, 0.3]), np.array([10, 600, 620]), 512)
     assert set(grouped) == {0, 1} and list(grouped[1]) == [0.2, 0.3]
 
@@ -76,3 +111,5 @@ def test_the_schedules_in_force_and_one_rung_cheaper_and_the_state_round_trip():
 def test_bad_controller_settings_are_refused():
     with pytest.raises(Exception, match="patience"):
         update(_state(), {}, {}, TAU, MARGIN, patience=0, min_tokens=1)
+    with pytest.raises(Exception, match="unknown adaptive_fallback 'never': expected one of budget, dense, exact"):
+        update(_state(), {}, {}, TAU, MARGIN, 1, 1, "never")

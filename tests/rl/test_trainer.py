@@ -281,6 +281,27 @@ def test_the_adaptive_schedule_moves_budgets_is_logged_and_a_resumed_run_equals_
         _config(data, tmp_path / "x", schedule="adaptive", monitor="bounds").validate()
 
 
+def test_a_step_after_a_bin_fell_with_the_exact_fallback_rolls_out_in_exact_mode(data, tmp_path):
+    """tau 0.999 is out of reach of 48 tokens: after the first (sparse) step a bin falls, and the next steps roll
+    out in exact mode (dense verification of the schedule's drafts), where the fallen bin stays (its p5 cannot
+    clear tau + margin above 1); the log says which bin moved, and on what evidence."""
+    options = dict(schedule="adaptive", adaptive_start="const:48", adaptive_min_tokens=10, adaptive_fallback="exact",
+                   tau=0.999, bin_size=32, steps=3, max_new_tokens=12)
+    logged = []
+    history = train(_config(data, tmp_path / "run", **options), log=logged.append)
+    assert [h["adaptive/exact"] for h in history] == [0, 1, 1]
+    assert "rollout/tokens_per_verify" not in history[0]
+    assert all("rollout/tokens_per_verify" in h for h in history[1:])  # exact rollouts: dense verifications
+    moved = [k for k, v in history[0].items() if k.endswith("/move") and v == 1]
+    assert moved and all(history[0][k.replace("/move", "/fallen")] == 1 for k in moved)
+    assert all(history[0][k.replace("/move", "/p5")] < 0.999 for k in moved)
+    assert any("next step rolls out in exact mode" in line for line in logged)
+    with pytest.raises(SparrowError, match="--rollout-mode exact rolls out every step in exact mode already"):
+        _config(data, tmp_path / "x", **options, rollout_mode="exact").validate()
+    with pytest.raises(SparrowError, match="adaptive_fallback 'never': expected one of budget, dense, exact"):
+        _config(data, tmp_path / "x", **{**options, "adaptive_fallback": "never"}).validate()
+
+
 def test_exact_mode_trains_on_dense_samples_monitors_for_free_and_resumes(data, tmp_path):
     """Exact rollouts are the dense policy's own: the same rewards and losses as dense rollouts with the same seed
     and the same update to float rounding (Adam turns rounding in near-zero gradients into whole steps, so the
