@@ -29,7 +29,7 @@ class SparrowConfig:
       `<output_dir>/sparrow/schedule.json`. In TRL's server mode, start the server with that variable.
     landmark, dense_layers, page_size: the sparse attention, as `sparrow train`'s options.
     adaptive_fallback: `budget` (a bin below tau gets the next budget up) or `dense` (a budget covering it);
-      `sparrow train`'s `exact` is refused here, since vLLM has no exact mode.
+      `sparrow train`'s `exact` is refused here: vLLM cannot switch single steps to exact mode.
     The defaults are `sparrow train`'s: read from its sections (MonitorSection, SparseSection, AdaptiveSection).
     correction: `auto` (TRL's importance sampling correction becomes token-level truncation, Sparrow's TIS, unless
       the GRPOConfig names another `vllm_importance_sampling_mode` than TRL's default) or `trl` (GRPOConfig's as
@@ -60,8 +60,9 @@ class SparrowConfig:
         self.monitor.validate()
         self.adaptive.validate()
         if self.adaptive_fallback == "exact":
-            raise SparrowError("SparrowConfig.adaptive_fallback 'exact': exact rollouts run in Sparrow's engine, not "
-                               "in vLLM; expected 'budget' (the next budget up) or 'dense' (a budget covering the bin)")
+            raise SparrowError("SparrowConfig.adaptive_fallback 'exact': switching single steps to exact rollouts "
+                               "needs Sparrow's engine, not vLLM; expected 'budget' (the next budget up) or 'dense' "
+                               "(a budget covering the bin)")
         if not isinstance(self.schedule, str) or not self.schedule.strip():
             raise SparrowError(f"schedule {self.schedule!r}: expected a schedule spec, preset, file or 'adaptive'")
         self.start_schedule()  # a bad spec stops here, before TRL builds anything

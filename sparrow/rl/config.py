@@ -307,9 +307,9 @@ class TrainConfig:
                 raise SparrowError("adaptive_fallback exact falls back to exact rollouts, and --rollout-mode exact "
                                    "rolls out every step in exact mode already; give one or the other")
             if self.rollout.backend == "vllm":
-                raise SparrowError("adaptive_fallback exact rolls out fallen steps in exact mode, which runs in "
-                                   "Sparrow's engine (--backend native), not in vLLM; use adaptive_fallback budget or "
-                                   "dense")
+                raise SparrowError("adaptive_fallback exact switches single steps to exact mode, which only "
+                                   "Sparrow's engine does per step (--backend native); use adaptive_fallback budget "
+                                   "or dense")
         switch = None
         if distill.switch_schedule is not None:
             switch = self.sparse.parse(distill.switch_schedule)

@@ -41,7 +41,7 @@ def test_an_unknown_schedule_lists_every_accepted_form_adaptive_included():
 
 def test_the_adaptive_fallback_is_budget_or_dense_under_vllm():
     assert SparrowConfig(adaptive_fallback="dense").adaptive.fallback == "dense"
-    with pytest.raises(SparrowError, match="adaptive_fallback 'exact': exact rollouts run in Sparrow's engine"):
+    with pytest.raises(SparrowError, match="adaptive_fallback 'exact': switching single steps to exact rollouts needs Sparrow's engine"):
         SparrowConfig(adaptive_fallback="exact")
     with pytest.raises(SparrowError, match="unknown adaptive_fallback 'up'"):
         SparrowConfig(adaptive_fallback="up")
