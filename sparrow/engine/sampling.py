@@ -39,7 +39,8 @@ class SamplingParams:
     """How to sample. temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation.
 
     Log-probs are those of the rollout distribution after temperature and before top-k/top-p truncation (the
-    policy whose ratio to the dense policy TIS corrects); with greedy decoding they are at temperature 1.
+    policy whose ratio to the dense policy TIS corrects; why not the truncated one: docs/metrics.md, "Top-p and
+    top-k in the correction"); with greedy decoding they are at temperature 1.
     `seed` (>= 0) fixes every sequence's random key (see `sequence_key`); None draws a fresh one per call.
     `exact_rule`: how exact mode judges a draft (`EXACT_RULES`); other modes ignore it.
     """
