@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--adaptive-start", help="the adaptive schedule's first budgets (preset: quick "
                                                  f"{QUICK['adaptive_start']}, full {FULL['adaptive_start']})")
     parser.add_argument("--adaptive-min-tokens", type=int, default=200, help="tokens a bin needs to move")
-    parser.add_argument("--adaptive-patience", type=int, default=2, help="steps of evidence before a move")
+    parser.add_argument("--adaptive-patience", type=int, default=2, help="steps of evidence before a move down")
     parser.add_argument("--steps", type=int, help=f"GRPO steps (preset: quick {QUICK['steps']}, full {FULL['steps']})")
     parser.add_argument("--output-dir", default="runs/trl-grpo-sparse")
     parser.add_argument("--prompt-tokens", type=int, help="minimum passkey prompt length in tokens (preset: quick "
