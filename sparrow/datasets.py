@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.io import read_jsonl
+from sparrow.io import read_jsonl, require_file
 from sparrow.typed_config import check_int
 
 _EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -56,11 +56,7 @@ def _check_spec(spec: DataSpec) -> Path:
         raise SparrowError(
             f"data file {str(path)!r} has extension {suffix or '(none)'!r}; expected one of {', '.join(_EXTENSIONS)}"
         )
-    if not path.exists():
-        raise SparrowError(f"data file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise SparrowError(f"data file {str(path)!r} is a directory; expected a file" if path.is_dir()
-                           else f"data file {str(path)!r} is not a regular file")
+    require_file(path, "data file")
     if path.stat().st_size == 0:
         raise SparrowError(f"data file {str(path)!r} is empty; expected at least one row")
     return path

@@ -6,7 +6,8 @@ write; `parse_jsonl` recognises one (the last line, without its newline, not a J
 cut inside a character) so that readers of such logs can skip it and the trainer can cut it off on resume.
 Read such files with `read_jsonl_text`, which keeps bytes that are not UTF-8 for `parse_jsonl` to judge by line.
 
-`require_file` and `check_output` check a command's input files and output paths before any work.
+`require_file` (with `file_problem`) and `check_output` check a command's input files and output paths before any
+work, saying what a path is instead of a readable file (missing, a symlink loop, a directory, unreadable).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -55,17 +57,40 @@ def env_int(name: str, default: int, minimum: int | None = None, environ=None) -
     return number
 
 
-def require_file(path: str | None, what: str) -> Path:
-    """`path` as a Path if it is an existing file; a SparrowError saying it is missing or a directory otherwise."""
+def require_file(path: str | os.PathLike | None, what: str) -> Path:
+    """`path` as a Path if it is a readable regular file; otherwise a SparrowError saying what it is instead: missing,
+    a symlink loop, a symlink to nothing, a directory, not a regular file, or not readable."""
     if path is None:
         raise SparrowError(f"give the {what}")
+    problem = file_problem(path)
+    if problem is not None:
+        raise SparrowError(f"{what} {str(path)!r} {problem}")
+    return Path(path)
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as a file, as the end of a sentence about it ("does not exist", "is a symlink
+    loop", ...), or None when it can."""
     found = Path(path)
-    if not found.exists():
-        raise SparrowError(f"{what} {path!r} does not exist")
-    if not found.is_file():
-        raise SparrowError(f"{what} {path!r} is a directory; expected a file" if found.is_dir()
-                           else f"{what} {path!r} is not a regular file")
-    return found
+    try:
+        info = found.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop (a link that leads back to itself); expected a file"
+        if err.errno in (errno.EACCES, errno.EPERM):
+            return "cannot be reached: permission denied on a directory above it"
+        if err.errno == errno.ENOTDIR:
+            return "lies under a file, not a directory"
+        if found.is_symlink():
+            return f"is a symlink to {os.readlink(found)!r}, which does not exist"
+        return "does not exist"
+    if stat.S_ISDIR(info.st_mode):
+        return "is a directory; expected a file"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if not os.access(found, os.R_OK):
+        return "cannot be read: permission denied"
+    return None
 
 
 def check_output(path: str, what: str, directory: bool) -> None:
@@ -197,9 +222,7 @@ def read_jsonl(path: str | os.PathLike, torn_tail_ok: bool = False) -> list[tupl
 
     `torn_tail_ok` is for logs a run appends to: a torn last line is skipped with a warning instead.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise SparrowError(f"file {str(path)!r} does not exist")
+    path = require_file(path, "file")
     rows, torn = parse_jsonl(read_jsonl_text(path), str(path), torn_tail_ok)
     if torn is not None:
         warnings.warn(f"sparrow: {path}:{torn}: skipped a torn last line (a write cut short, e.g. by a kill)",

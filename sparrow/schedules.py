@@ -26,11 +26,15 @@ import numpy as np
 import torch
 
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_json
+from sparrow.io import atomic_write_json, require_file
 
 PRESET_PAGE_SIZE = 16
 _INT = re.compile(r"[+-]?\d+")
 _FORMS = "'dense', 'const:N', 'steps:BIN:b1,b2,...', 'start:budget,...'"
+MAX_TOKENS = 2**53
+"""Bin starts and budgets stay below this: exact as float64 (the cost model) and far inside int64 (the kernels)."""
+FILE_KEYS = ("name", "page_size", "version", "bins")
+BIN_KEYS = ("start", "kv_budget")
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,19 @@ class Schedule:
         return cls(name, tuple(starts), tuple(budgets))
 
     def validate(self, page_size: int, always_kept_pages: int) -> None:
-        """Raise SparrowError unless budgets are whole pages covering the always-kept ones and bins are ordered."""
+        """Raise SparrowError unless budgets are whole pages covering the always-kept ones and bins are ordered from
+        0, all below MAX_TOKENS."""
         if page_size <= 0:
             raise SparrowError(f"page size must be a positive integer, got {page_size}")
         if self.is_dense:
             return
         if self.starts[0] != 0:
             raise SparrowError(f"schedule {self.name!r}: first bin starts at {self.starts[0]}; expected 0")
+        for i, (start, budget) in enumerate(zip(self.starts, self.budgets)):
+            if start >= MAX_TOKENS or budget >= MAX_TOKENS:
+                what, value = ("start", start) if start >= MAX_TOKENS else ("budget", budget)
+                raise SparrowError(f"schedule {self.name!r}: bin {i} {what} {value} is out of range; expected fewer "
+                                   f"than 2**53 tokens")
         for i in range(1, len(self.starts)):
             if self.starts[i] <= self.starts[i - 1]:
                 raise SparrowError(f"schedule {self.name!r}: bin {i} starts at {self.starts[i]}, not after bin "
@@ -180,19 +190,19 @@ def parse_schedule(spec: str, page_size: int = 16,
                    always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Schedule:
     """Build and validate a schedule from a command-line or config string (forms listed in the error below); its
     budgets must hold `always_kept_pages` whole pages (by default the default SparseConfig's sink + recent)."""
-    schedule = _parse(str(spec).strip(), page_size)
+    schedule = _parse(str(spec).strip(), page_size, always_kept_pages)
     schedule.validate(page_size, always_kept_pages)
     return schedule
 
 
 def read_schedule_file(path: str | os.PathLike, page_size: int = 16,
-                       always_kept_pages: int = DEFAULT_KEPT_PAGES) -> tuple[Schedule, int | None]:
-    """A JSON schedule file (the forms `parse_schedule` reads from a file), validated as `parse_schedule` does,
-    whatever its name looks like, and its top-level "version" (None when it has none; the run-time file a vLLM
-    plugin follows carries one)."""
-    schedule, version = _read_file(Path(path), page_size)
-    schedule.validate(page_size, always_kept_pages)
-    return schedule, version
+                       always_kept_pages: int = DEFAULT_KEPT_PAGES,
+                       previous: tuple[Schedule, int] | None = None) -> tuple[Schedule, int | None]:
+    """A JSON schedule file (the forms `parse_schedule` reads from a file), checked by `check_schedule_file` as
+    every reader's is, whatever its name looks like, and its top-level "version" (None when it has none; the
+    run-time file a vLLM plugin follows carries one). `previous`: the (schedule, version) in force for a followed
+    file, which a new version must not go back from."""
+    return _read_file(Path(path), page_size, always_kept_pages, previous)
 
 
 def split_schedules(text: str) -> list[str]:
@@ -211,7 +221,7 @@ def split_schedules(text: str) -> list[str]:
     return specs
 
 
-def _parse(spec: str, page_size: int) -> Schedule:
+def _parse(spec: str, page_size: int, always_kept_pages: int) -> Schedule:
     """Dispatch on the spec's form, without validation."""
     if spec == "dense":
         return DENSE
@@ -230,7 +240,7 @@ def _parse(spec: str, page_size: int) -> Schedule:
             raise SparrowError(f"preset {spec!r} is defined for page size {PRESET_PAGE_SIZE}, not {page_size}")
         return presets[spec]
     if spec.endswith(".json") or os.sep in spec or "/" in spec or Path(spec).is_file():
-        return _read_file(Path(spec), page_size)[0]
+        return _read_file(Path(spec), page_size, always_kept_pages)[0]
     if ":" in spec:
         head = spec.split(":", 1)[0].strip()
         if head and not head.lstrip("+-").isdigit() and "," not in head:
@@ -254,32 +264,67 @@ def _parse_pairs(spec: str) -> Schedule:
     return Schedule(spec, tuple(starts), tuple(budgets))
 
 
-def _read_file(path: Path, page_size: int) -> tuple[Schedule, int | None]:
-    """A JSON file: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?, "version"?};
-    the schedule and the version (None without one)."""
-    if path.is_dir():
-        raise SparrowError(f"schedule file {str(path)!r} is a directory; expected a JSON schedule file")
-    if not path.is_file():
-        raise SparrowError(f"schedule file {str(path)!r} does not exist")
+def _read_file(path: Path, page_size: int, always_kept_pages: int,
+               previous: tuple[Schedule, int] | None = None) -> tuple[Schedule, int | None]:
+    """A JSON schedule file, read and passed through `check_schedule_file`."""
+    where = f"schedule file {str(path)!r}"
+    require_file(path, "schedule file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SparrowError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
-    name, version = path.stem, None
+        raise SparrowError(f"{where} is not valid JSON: {err}") from None
+    return check_schedule_file(data, where, page_size, always_kept_pages, path.stem, previous)
+
+
+def check_schedule_file(data, where: str, page_size: int, always_kept_pages: int, name: str = "schedule",
+                        previous: tuple[Schedule, int] | None = None) -> tuple[Schedule, int | None]:
+    """The one check of a schedule file's content (`data`: its parsed JSON; `where`: how to name the file), for
+    every reader: a list of {"start", "kv_budget"} bins, or {"bins": [...], "name"?, "page_size"?, "version"?}
+    with no other key; at least one bin (an empty list only under the name "dense", as `write_schedule_json` writes
+    the dense schedule); the bins as `Schedule.validate` wants them (starts ascending from 0, whole-page budgets
+    holding the always-kept pages, everything below MAX_TOKENS). `previous`: the (schedule, version) in force
+    where the file is followed at run time; a version below it, or other bins under the same version, is refused.
+    Returns the schedule and the file's version (None without one); `name` when the file gives none."""
+    version = None
     if isinstance(data, dict):
+        unknown = [key for key in data if key not in FILE_KEYS]
+        if unknown:
+            raise SparrowError(f"{where}: unknown key {unknown[0]!r}; expected only {', '.join(FILE_KEYS)}")
         if "bins" not in data:
-            raise SparrowError(f"schedule file {str(path)!r} has no 'bins' key; expected a list of "
+            raise SparrowError(f"{where} has no 'bins' key; expected a list of "
                                '{"start", "kv_budget"} objects or an object with "bins"')
         if "page_size" in data and data["page_size"] != page_size:
-            raise SparrowError(f"schedule file {str(path)!r} is for page size {data['page_size']!r}, "
+            raise SparrowError(f"{where} is for page size {data['page_size']!r}, "
                                f"but page size {page_size} was requested")
         name, version = data.get("name", name), data.get("version")
         if not isinstance(name, str):
-            raise SparrowError(f"schedule file {str(path)!r}: name {name!r} is not a string")
-        if version is not None and (type(version) is not int or version < 0):
-            raise SparrowError(f"schedule file {str(path)!r}: version {version!r} is not an integer >= 0")
+            raise SparrowError(f"{where}: name {name!r} is not a string")
+        if version is not None and (type(version) is not int or not 0 <= version <= MAX_TOKENS):
+            raise SparrowError(f"{where}: version {version!r} is not an integer >= 0")
         data = data["bins"]
-    return Schedule.from_json(name, data, f"schedule file {str(path)!r}"), version
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            extra = [key for key in item if key not in BIN_KEYS] if isinstance(item, dict) else []
+            if extra:
+                raise SparrowError(f"{where}: bin {i} has unknown key {extra[0]!r}; expected only start and "
+                                   "kv_budget")
+        if not data and name != "dense":
+            raise SparrowError(f"{where}: bins is empty; expected at least one {{\"start\", \"kv_budget\"}} bin "
+                               "(a dense schedule is 'dense', or a file named \"dense\" with no bins)")
+    schedule = Schedule.from_json(name, data, where)
+    try:
+        schedule.validate(page_size, always_kept_pages)
+    except SparrowError as err:
+        raise SparrowError(f"{where}: {err}") from None
+    if previous is not None and version is not None:
+        held, held_version = previous
+        if version < held_version:
+            raise SparrowError(f"{where}: version {version} is below version {held_version} in force; versions only "
+                               "go up: write the next one")
+        if version == held_version and (schedule.starts, schedule.budgets) != (held.starts, held.budgets):
+            raise SparrowError(f"{where}: bins differ from those of version {held_version} in force under the same "
+                               f"version; a change of bins takes a version above {held_version}")
+    return schedule, version
 
 
 def _parse_int(text: str, what: str, spec: str) -> int:

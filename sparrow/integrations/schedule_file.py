@@ -19,7 +19,7 @@ import numpy as np
 from sparrow.errors import SparrowError
 from sparrow.rl.adaptive import AdaptiveState, start_state
 from sparrow.rl.controllers import AdaptiveSchedule
-from sparrow.schedules import Schedule, write_schedule_json
+from sparrow.schedules import Schedule, check_schedule_file, write_schedule_json
 from sparrow.vllm.env import ENV_SCHEDULE, FOLLOW
 from sparrow.vllm.plan import sparse_rows
 from sparrow.vllm.status import read_status, status_path
@@ -84,7 +84,10 @@ class RunTimeSchedule:
             raise SparrowError(f"Sparrow's vLLM plugin reported no schedule beside {str(self.path)!r} after a "
                                f"generate call: expected the vLLM engine started with {ENV_SCHEDULE}="
                                f"{FOLLOW}{self.path} (in TRL's server mode, set it for `trl vllm-serve`)")
-        schedule = Schedule.from_json(status["name"], status["bins"], f"status file {str(status_path(self.path))!r}")
+        sparse = self.config.sparse
+        schedule, _ = check_schedule_file({key: status[key] for key in ("name", "bins")},
+                                          f"status file {str(status_path(self.path))!r}", sparse.page_size,
+                                          sparse.always_kept_pages)
         warnings = []
         if status["version"] != self.version:
             why = f": the plugin refused it ({status['refused']})" if status.get("refused") else ""

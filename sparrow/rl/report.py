@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import median
 
 from sparrow.errors import SparrowError
-from sparrow.io import atomic_write_text, read_jsonl, save_figure
+from sparrow.io import atomic_write_text, read_jsonl, require_file, save_figure
 from sparrow.measure.retention import MIN_INTERVAL_PROMPTS, paired_difference, too_few_prompts
 
 PHASES = ("rollout", "reward", "recompute", "update")
@@ -65,8 +65,9 @@ def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
     runs = {}
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():
             raise SparrowError(f"{run} has no metrics.jsonl; is it a 'sparrow train' output directory?")
+        require_file(path, "metrics file")
         runs[Path(run).name] = _read_rows(path, ("step", "reward/mean"))
     return runs
 

@@ -77,7 +77,8 @@ class PluginState:
         try:
             if key is None:
                 raise SparrowError(f"schedule file {str(source)!r} does not exist")
-            schedule, version = read_schedule_file(source, config.sparse.page_size, config.sparse.always_kept_pages)
+            schedule, version = read_schedule_file(source, config.sparse.page_size, config.sparse.always_kept_pages,
+                                                   previous=(config.schedule, config.version))
         except (SparrowError, OSError) as err:
             if _stat_key(source) == key:  # not a file caught mid-write: refuse it once
                 self.seen, self.refused = key, str(err)

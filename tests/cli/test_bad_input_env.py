@@ -2,6 +2,8 @@
 the variable, the value and what is accepted; on the command line with exit code 2 before any model loads.
 """
 
+import json
+
 import pytest
 
 from sparrow import huge_pages
@@ -88,7 +90,7 @@ def test_plugin_variables_not_understood_are_refused_by_name(tmp_path, monkeypat
     (tmp_path / "a-dir").mkdir()
     monkeypatch.chdir(tmp_path)
     assert _refused({"SPARROW_VLLM_SCHEDULE": "@a-dir"}) == (
-        "SPARROW_VLLM_SCHEDULE='@a-dir': schedule file 'a-dir' is a directory; expected a JSON schedule file")
+        "SPARROW_VLLM_SCHEDULE='@a-dir': schedule file 'a-dir' is a directory; expected a file")
     assert _refused({"SPARROW_VLLM_SCHEDULE": "@missing"}) == (
         "SPARROW_VLLM_SCHEDULE='@missing': schedule file 'missing' does not exist")
     write_schedule_json(parse_schedule("const:64"), tmp_path / "plain", version=1)
@@ -138,3 +140,82 @@ def test_plugin_dense_layers_past_the_models_layers_are_refused_at_engine_start(
                                            r"count is 1; expected dense layer indices from 0 to 0$"):
         check_layers(SparseConfig(), 1, {})  # unset: its default
     check_layers(SparseConfig(dense_layers=(0, 3)), 4, {})
+
+
+@pytest.mark.parametrize("version, bins, message", [
+    (1, [{"start": 0, "kv_budget": 64}], "version 1 is below version 2 in force; versions only go up"),
+    (2, [{"start": 0, "kv_budget": 128}], "bins differ from those of version 2 in force under the same version; a "
+                                          "change of bins takes a version above 2"),
+    (3, [{"start": 0, "kv_budget": 16 * 10**18}], "bin 0 budget 16000000000000000000 is out of range"),
+])
+def test_a_followed_file_whose_version_goes_back_or_stays_with_other_bins_is_refused(version, bins, message,
+                                                                                     tmp_path, caplog):
+    """The plugin's follower: a rewrite must raise the version with any change of bins; the schedule in force
+    stays, with one logged line naming the file."""
+    from sparrow.vllm.state import PluginState
+
+    path = tmp_path / "schedule.json"
+    write_schedule_json(const(256), path, version=2)
+    state = PluginState()
+    state.activate(plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{path}"}))
+    assert state.active().version == 2
+    path.write_text(json.dumps({"version": version, "bins": bins}))
+    with caplog.at_level("WARNING", logger="sparrow.vllm"):
+        kept = state.active()
+    assert (kept.schedule.budgets, kept.version) == ((256,), 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sparrow.vllm"]
+    assert len(lines) == 1 and f"schedule file {str(path)!r}: " in lines[0] and message in lines[0], lines
+    write_schedule_json(const(256), path, version=2, restart=True)  # the bins in force again: nothing changes
+    assert (state.active().schedule.budgets, state.active().version) == ((256,), 2)
+    write_schedule_json(const(128), path, version=3)
+    assert (state.active().schedule.budgets, state.active().version) == ((128,), 3)
+
+
+def test_every_reader_of_a_schedule_file_goes_through_the_one_check(tmp_path, monkeypatch, capsys):
+    """The command line's --schedule FILE, `schedule show`, cost, calibrate (exact mode parses each profiled schedule,
+    here one given as a file), the vLLM plugin's follower and TRL's run-time schedule (the plugin's report) each call
+    check_schedule_file."""
+    from sparrow import schedules
+    from sparrow.cli import main
+    from sparrow.integrations import schedule_file
+    from sparrow.integrations.config import SparrowConfig
+    from sparrow.vllm.state import PluginState
+    from sparrow.vllm.status import write_status
+
+    seen = []
+    original = schedules.check_schedule_file
+
+    def spy(data, where, *args, **kwargs):
+        seen.append(where)
+        return original(data, where, *args, **kwargs)
+
+    monkeypatch.setattr(schedules, "check_schedule_file", spy)
+    monkeypatch.setattr(schedule_file, "check_schedule_file", spy)
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    write_schedule_json(const(64), good, version=1)
+    bad.write_text(json.dumps({"bins": [{"start": 0, "kv_budget": 64, "topk": 1}]}))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"meta": {"model": "tiny-qwen3"}, "schedules": {"file": {"spec": str(bad), "bins": [
+        {"bin": 0, "start": 0, "end": 256, "count": 100, "p5": 0.95, "mean": 0.97}]}}}))
+    commands = {
+        "generate": ["generate", "--model", "tiny-qwen3", "--prompt", "x", "--schedule", str(bad)],
+        "schedule show": ["schedule", "show", str(bad)],
+        "cost": ["cost", "--schedule", str(bad)],
+        "calibrate": ["calibrate", "--rollout-mode", "exact", "--profile", str(profile), "--out",
+                      str(tmp_path / "s.json")],
+    }
+    for name, argv in commands.items():
+        seen.clear()
+        assert main(argv) == 2, name
+        assert seen == [f"schedule file {str(bad)!r}"], name
+        assert "bin 0 has unknown key 'topk'" in capsys.readouterr().err, name
+    seen.clear()
+    state = PluginState()
+    state.activate(plugin_env.from_environment({"SPARROW_VLLM_SCHEDULE": f"@{good}"}))
+    state.active()
+    assert seen == [f"schedule file {str(good)!r}"] * 2  # at engine start and at its first step
+    seen.clear()
+    runtime = schedule_file.RunTimeSchedule(SparrowConfig(schedule="const:64"), good, 512, writer=True)
+    write_status(good, const(64), 1, None)
+    assert runtime.in_force()[:2] == (const(64), 1)
+    assert len(seen) == 1 and seen[0].startswith("status file ")

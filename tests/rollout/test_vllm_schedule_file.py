@@ -66,7 +66,7 @@ def test_an_unchanged_file_is_not_read_again(followed, monkeypatch):
     plugin_state.active()
     reads = []
     original = plugin_state.read_schedule_file
-    monkeypatch.setattr(plugin_state, "read_schedule_file", lambda *a: reads.append(a) or original(*a))
+    monkeypatch.setattr(plugin_state, "read_schedule_file", lambda *a, **k: reads.append(a) or original(*a, **k))
     for _ in range(5):
         plugin_state.active()
     assert reads == []
