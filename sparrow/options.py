@@ -117,13 +117,14 @@ class ScheduledSparseSection(SparseSection):
     rollout_mode: str = option("sparse", "sparse: decode with the schedule; exact: the schedule drafts, the dense "
                                "policy verifies (its own samples, token for token); dense: the dense schedule")
     draft_tokens: int | str = option(DEFAULT_DRAFT_TOKENS, "exact mode: tokens the schedule drafts per dense "
-                                     "verification, or auto (also 0): each round's length from the measured "
+                                     "verification (1-64), or auto (also 0): each round's length from the measured "
                                      "acceptance and step times")
     parsed_schedule: Schedule | None = _parsed()
 
     def validate(self) -> None:
         super().validate()
         self.check_mode()
+        self.check_dense_mode()
         self.parsed_schedule = DENSE if self.rollout_mode == "dense" else self.parse(self.schedule)
         if self.exact and self.parsed_schedule.is_dense:
             raise SparrowError("--rollout-mode exact drafts with a sparse schedule: give --schedule other than 'dense' "
@@ -134,8 +135,23 @@ class ScheduledSparseSection(SparseSection):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected one of {', '.join(ROLLOUT_MODES)}")
         self.draft_tokens = parse_draft_tokens(self.draft_tokens)
         if self.draft_tokens != DEFAULT_DRAFT_TOKENS and not self.exact:  # refused rather than ignored
-            raise SparrowError(f"--draft-tokens {self.draft_tokens} sets exact mode's drafts: it needs "
-                               "--rollout-mode exact")
+            refuse_draft_tokens(self.draft_tokens)
+
+    def check_dense_mode(self) -> None:
+        """A schedule given with --rollout-mode dense would be dropped: refused, as exact mode refuses 'dense'."""
+        if self.rollout_mode == "dense" and str(self.schedule).strip() != "dense":
+            raise SparrowError(f"--rollout-mode dense decodes every rollout densely: --schedule {self.schedule!r} "
+                               "would do nothing; drop --schedule, or use --rollout-mode sparse or exact")
+
+    def check_given(self, given: dict) -> None:
+        """Refuse draft_tokens given explicitly (`given`: the options set by the YAML file or command line), even
+        at its default value, where nothing drafts."""
+        if "draft_tokens" in given and not self.drafts(given):
+            refuse_draft_tokens(given["draft_tokens"])
+
+    def drafts(self, given: dict) -> bool:
+        """Whether rollouts draft (`given`: the options set explicitly): in exact mode."""
+        return self.exact
 
     @property
     def exact(self) -> bool:
@@ -145,6 +161,11 @@ class ScheduledSparseSection(SparseSection):
     def draft(self) -> int | None:
         """What the engine's `generate(draft_tokens=...)` takes: K in exact mode, else None."""
         return self.draft_tokens if self.exact else None
+
+
+def refuse_draft_tokens(value) -> None:
+    """The refusal of a draft length given where nothing drafts (no exact mode)."""
+    raise SparrowError(f"--draft-tokens {value} sets exact mode's drafts: it needs --rollout-mode exact")
 
 
 def check_exact_rule_mode(rule: str, exact: bool) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from sparrow.errors import SparrowError
+from sparrow.io import require_file
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,13 @@ class Option:
     @property
     def optional(self) -> bool:
         return type(None) in typing.get_args(self.annotation)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the option takes values of several scalar types (`int | str`): given as a string on the command
+        line, as either in a file, and parsed by its section's validate()."""
+        return len([a for a in typing.get_args(self.annotation) if a is not type(None)]) > 1 \
+            and typing.get_origin(self.annotation) in (typing.Union, types.UnionType)
 
 
 def scalar_type(tp):
@@ -115,6 +123,8 @@ def check_value(option: Option, value, source: str):
             return None
         raise SparrowError(f"{source}: {option.name} may not be empty (null)")
     kind = option.kind
+    if option.mixed:
+        return value  # an option of several types (int | str) is parsed by its section's validate()
     if kind == "list":
         value = value if isinstance(value, list) else [value]
         ok = all(_matches(v, item_type(option.annotation)) for v in value)
@@ -226,10 +236,7 @@ def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
 
 def load_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file, or a SparrowError saying what is wrong with the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise SparrowError(f"config file {str(path)!r} does not exist" if not path.exists()
-                           else f"config file {str(path)!r} is not a file")
+    path = require_file(path, "config file")
     try:
         loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader) or {}
     except UnicodeDecodeError as err:

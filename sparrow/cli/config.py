@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sparrow.typed_config import build, flatten_mapping, item_type, load_yaml, options
+from sparrow.typed_config import build, flatten_mapping, item_type, load_yaml, options, sections
 
 
 def add_config_options(parser: argparse.ArgumentParser, cls) -> None:
@@ -50,6 +50,7 @@ def load_config(cls, args: argparse.Namespace):
             values[option.name] = value
     config = build(cls, values)
     config.validate()
-    if hasattr(config, "check_given"):  # options that must not be given where they would do nothing
-        config.check_given(values)
+    for part in (config, *(getattr(config, name) for name in sections(cls))):
+        if hasattr(part, "check_given"):  # options that must not be given where they would do nothing
+            part.check_given(values)
     return config

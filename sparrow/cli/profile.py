@@ -19,6 +19,7 @@ from sparrow.options import (
     RolloutSection,
     SamplingSection,
     SparseSection,
+    refuse_draft_tokens,
 )
 from sparrow.rewards.scoring import score_examples
 from sparrow.schedules import Schedule, split_schedules
@@ -85,6 +86,11 @@ class ProfileConfig:
         if len(set(specs)) != len(specs):
             raise SparrowError(f"--schedules names a schedule twice: {self.schedules!r}")
         self.parsed_schedules = {spec: self.sparse.parse(spec) for spec in specs}
+
+    def check_given(self, given: dict) -> None:
+        """Refuse --draft-tokens given explicitly, even at its default, without exact mode."""
+        if "draft_tokens" in given and self.rollout_mode != "exact":
+            refuse_draft_tokens(given["draft_tokens"])
 
 
 def check_answers(rewards: list[str], examples: list, path: str) -> None:

@@ -38,10 +38,11 @@ AUTO_START, AUTO_MAX = 4, 16
 
 
 def parse_draft_tokens(value) -> int:
-    """An option's draft length as the engine takes it: 'auto' -> AUTO, a string of digits -> its integer, checked."""
+    """An option's draft length as the engine takes it, from the command line (a string) or a YAML file (an integer
+    or a string): 'auto' -> AUTO, ASCII digits -> their integer, checked; anything else is refused."""
     if isinstance(value, str):
         text = value.strip().lower()
-        value = AUTO if text == "auto" else int(text) if text.isdigit() else value
+        value = AUTO if text == "auto" else int(text) if text.isascii() and text.isdigit() else value
     try:
         return check_draft_tokens(value)
     except SparrowError:

@@ -18,6 +18,7 @@ shorter bin's budget (non-decreasing), none (the smallest profiled budget alread
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from sparrow.attention.config import SparseConfig
@@ -81,6 +82,20 @@ def _field_problem(item, fields: dict) -> str | None:
     return None
 
 
+def _finite(value, low: float | None = None, high: float | None = None) -> bool:
+    """Whether `value` is a JSON number (not a bool or a string), finite, within the bounds given."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (low is None or value >= low) and (high is None or value <= high))
+
+
+def _rate_problem(item: dict) -> str | None:
+    """An acceptance statistic of a profile bin that is not a finite number in [0, 1], or None."""
+    for name in ("mean", "p1", "p5", "p50"):
+        if name in item and not _finite(item[name], 0.0, 1.0):
+            return f"{name} is {short_repr(item[name])}; expected a finite number in [0, 1] (an acceptance rate)"
+    return None
+
+
 def check_profile(profile, source: str = "the profile") -> None:
     """A SparrowError naming the first part of `profile` that is not what 'sparrow profile' writes: an object with
     "schedules" holding, per schedule, a list of "bins" ({bin, start, end, count, p5}) and optionally its
@@ -112,9 +127,17 @@ def check_profile(profile, source: str = "the profile") -> None:
         for what, items, fields in (("bin", spec["bins"], _BIN_FIELDS),
                                     ("budget", spec.get("budgets") or [], _BUDGET_FIELDS)):
             for position, item in enumerate(items):
-                problem = _field_problem(item, fields)
+                problem = _field_problem(item, fields) or (_rate_problem(item) if what == "bin" else None)
                 if problem is not None:
                     raise SparrowError(f"{source}: schedule {name!r}, {what} {position}: {problem}")
+        reward = spec.get("reward")
+        retention = reward.get("retention") if isinstance(reward, dict) else None
+        if isinstance(retention, dict):
+            for key in ("value", "low", "high"):
+                value = retention.get(key)
+                if value is not None and not _finite(value, 0.0 if key == "value" else None):
+                    raise SparrowError(f"{source}: schedule {name!r}, reward.retention.{key} is {short_repr(value)}; "
+                                       f"expected a finite number{' >= 0' if key == 'value' else ''} or null")
 
 
 def always_kept_pages(meta: dict, source: str = "the profile") -> int:

@@ -48,6 +48,12 @@ class TrainSparseSection(ScheduledSparseSection):
     def validate(self) -> None:
         SparseSection.validate(self)  # the schedule may be `adaptive`: TrainConfig parses it
         self.check_mode()
+        if self.schedule != ADAPTIVE:  # adaptive with --rollout-mode dense: TrainConfig says why
+            self.check_dense_mode()
+
+    def drafts(self, given: dict) -> bool:
+        """Rollouts draft in exact mode, or in an adaptive schedule's exact fallback."""
+        return self.exact or given.get("adaptive_fallback") == "exact"
 
 
 @dataclass
