@@ -768,7 +768,15 @@ def main(argv=None) -> int:
             parser.error("no vLLM is installed here; pass a version, a wheel or a source tree")
         return run(Path(spec.origin).parent.parent, live=True, requirements=requirements)
     path = Path(args.release)
-    if path.suffix == ".whl" and path.is_file():
+    if path.suffix == ".whl":
+        from sparrow.io import file_problem
+
+        problem = file_problem(path)
+        if problem is None and not zipfile.is_zipfile(path):
+            problem = "is not a wheel (not a zip archive); expected a vLLM .whl file"
+        if problem is not None:
+            print(f"check_vllm_release: error: {str(path)!r} {problem}", file=sys.stderr)
+            return 2
         with tempfile.TemporaryDirectory() as tmp:
             return run(unpack_wheel(path, Path(tmp)), live=False, requirements=requirements)
     if path.exists():

@@ -36,9 +36,10 @@ def engine_points(records: Path) -> dict[str, list[tuple[int, int, float]]]:
     """(cached tokens, batch, tokens/s) of our engine's dense and sparse decode, from the decode-path records."""
     names = {"dense kernel+packed": "ours dense", "sparse packed": "ours sparse"}
     points: dict[str, list] = {label: [] for label in names.values()}
+    from sparrow.io import parse_jsonl, read_jsonl_text
+
     for name in ENGINE_RECORDS:
-        for line in (records / name).read_text().splitlines():
-            row = json.loads(line)
+        for _, row in parse_jsonl(read_jsonl_text(records / name), str(records / name))[0]:
             if row.get("config") in names:
                 rate = row["batch"] * 1000.0 / row["ms_per_step"]
                 points[names[row["config"]]].append((row["context"], row["batch"], rate))
@@ -49,12 +50,17 @@ def vllm_points(records: Path) -> dict[str, list[tuple[int, int, float]]]:
     """(cached tokens, batch, tokens/s) of vLLM with the plugin, dense and sparse, from `sparrow bench` logs."""
     points: dict[str, list] = {"vLLM + plugin dense": [], "vLLM + plugin sparse": []}
     for name in VLLM_RECORDS:
-        text = (records / name).read_text()
+        text = (records / name).read_text(errors="replace")
         shape = re.search(r"prefill: (\d+) distinct prompts of (\d+) tokens", text)
-        plugin = text.split("vLLM with Sparrow's plugin:", 1)[1]
-        for kind in ("dense", "sparse"):
-            rate = float(re.search(rf"{kind}:\s+([\d.]+) tokens/s", plugin).group(1))
-            points[f"vLLM + plugin {kind}"].append((int(shape.group(2)), int(shape.group(1)), rate))
+        plugin = text.split("vLLM with Sparrow's plugin:", 1)[-1]
+        rates = {kind: re.search(rf"{kind}:\s+([\d.]+) tokens/s", plugin) for kind in ("dense", "sparse")}
+        if shape is None or "vLLM with Sparrow's plugin:" not in text or None in rates.values():
+            from sparrow.errors import SparrowError
+
+            raise SparrowError(f"record {str(records / name)!r} is not the `sparrow bench --backend vllm` log the "
+                               "figure reads (its prefill shape or the plugin's dense and sparse tokens/s are missing)")
+        for kind, rate in rates.items():
+            points[f"vLLM + plugin {kind}"].append((int(shape.group(2)), int(shape.group(1)), float(rate.group(1))))
     return points
 
 
@@ -117,7 +123,9 @@ def plot_p5_vs_budget(records: Path, out: Path) -> Path:
 
     from sparrow.io import save_figure
 
-    profile = json.loads((records / PROFILE).read_text())["schedules"]
+    from sparrow.measure.profiling import read_profile
+
+    profile = read_profile(str(records / PROFILE))["schedules"]
     budgets = {name: int(name.split(":")[1]) for name in profile}
     by_bin: dict[tuple[int, int], list] = {}
     for name, stats in profile.items():
@@ -141,14 +149,44 @@ def plot_p5_vs_budget(records: Path, out: Path) -> Path:
     return path
 
 
+def check_paths(records: Path, out: Path) -> None:
+    """Before any figure: the records folder and every record the figures read, and the output folder, each
+    refused by name with what it is instead (sparrow.io's checks)."""
+    from sparrow.errors import SparrowError
+    from sparrow.io import check_output, file_problem, require_file
+
+    problem = file_problem(records)
+    if problem != "is a directory; expected a file":
+        raise SparrowError(f"records folder {str(records)!r} "
+                           f"{'is a file; expected a folder' if problem is None else problem}")
+    needed = [*ENGINE_RECORDS, *VLLM_RECORDS, PROFILE, *(f"{run}/metrics.jsonl" for run in LONG_TASK_RUNS.values())]
+    if not any((records / name).exists() for name in needed):
+        raise SparrowError(f"records folder {str(records)!r} holds none of the records the figures read (such as "
+                           f"{needed[0]}); expected the repository's benchmarks/ folder")
+    for name in needed:
+        require_file(records / name, "record")
+    check_output(str(out), "--out", directory=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=Path, default=RECORDS, help="the benchmarks folder (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="where the PNGs go (%(default)s)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for draw in (plot_decode_speed, plot_reward_vs_rollout_time, plot_p5_vs_budget):
-        print(f"[plots] {draw(args.records, args.out)}", file=sys.stderr)
+    from sparrow.errors import SparrowError
+
+    try:
+        check_paths(args.records, args.out)
+        args.out.mkdir(parents=True, exist_ok=True)
+        for draw in (plot_decode_speed, plot_reward_vs_rollout_time, plot_p5_vs_budget):
+            print(f"[plots] {draw(args.records, args.out)}", file=sys.stderr)
+    except SparrowError as err:
+        print(f"plots: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        where = f"{str(err.filename)!r}: " if err.filename is not None else ""
+        print(f"plots: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     return 0
 
 

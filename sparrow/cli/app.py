@@ -1,11 +1,14 @@
 """The `sparrow` command line: the parser of every sub-command, the check of the environment, and how an error,
-a closed pipe or an interrupt ends a run (one line, exit status)."""
+a closed pipe, an interrupt (Ctrl-C) or a termination (SIGTERM, as `kill` and job schedulers send) ends a run (one
+line, exit status; output already written is kept and flushed)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from tqdm import std as tqdm_std
@@ -25,6 +28,15 @@ EXIT_BAD_INPUT = 2
 EXIT_BROKEN_PIPE = 128 + 13
 """What a shell reports for a writer killed by SIGPIPE (`yes | head`): the reader of stdout went away."""
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the run is, so that it ends as Ctrl-C ends it."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar on every command is noise
     warnings.showwarning = _show_warning
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set a handler
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
     try:
         check_environment()
         code = args.run(args) or 0
@@ -54,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     except (SparrowError, OSError) as err:
         _print_error(args.command, err if isinstance(err, SparrowError) else _one_line(err))
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        _print_error(args.command, "interrupted", prefix="")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as err:
+        terminated = isinstance(err, Terminated)
+        _print_error(args.command, "terminated" if terminated else "interrupted", prefix="")
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 _default_show_warning = warnings.showwarning

@@ -109,9 +109,8 @@ def run(args) -> int:
     completions = []
     try:
         for part in _generate(backend, config, prompts, calls, log):
-            if config.json:  # printed as each call finishes
-                for c in part:
-                    print(json.dumps(c.to_json()))
+            if config.json:  # printed as each call finishes, in one write: an interrupt leaves whole lines
+                sys.stdout.write("".join(json.dumps(c.to_json()) + "\n" for c in part))
                 sys.stdout.flush()
             completions += part
     finally:

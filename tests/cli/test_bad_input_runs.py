@@ -264,3 +264,105 @@ def test_generate_with_backend_vllm_refuses_a_disagreeing_variable_before_vllm_s
     assert main(["generate", "--backend", "vllm", "--model", str(tmp_path / "hf"), "--prompt", "x"]) == 2
     assert _one_error(capsys, "generate").startswith("SPARROW_VLLM_PAGE_SIZE='32' disagrees with the command's "
                                                      "--page-size 16")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    """A script of scripts/ as a module, to run its main() in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def records(tmp_path) -> Path:
+    """A copy of the records scripts/plots.py reads."""
+    plots = _script("plots")
+    copy = tmp_path / "records"
+    for name in [*plots.ENGINE_RECORDS, *plots.VLLM_RECORDS, plots.PROFILE]:
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "benchmarks" / name, copy / name)
+    for run in plots.LONG_TASK_RUNS.values():
+        shutil.copytree(ROOT / "benchmarks" / run, copy / run)
+    return copy
+
+
+def _plots_error(capsys, *argv: str) -> str:
+    assert _script("plots").main(list(argv)) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plots: error: ") and "Traceback" not in err, err
+    return lines[0][len("plots: error: "):]
+
+
+def test_plots_say_what_is_wrong_with_their_records_and_output_in_one_line(records, tmp_path, capsys):
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    assert _plots_error(capsys, "--records", str(missing), "--out", str(tmp_path / "img")) == (
+        f"records folder {str(missing)!r} does not exist")
+    assert _plots_error(capsys, "--records", str(empty), "--out", str(tmp_path / "img")).startswith(
+        f"records folder {str(empty)!r} holds none of the records the figures read")
+    (tmp_path / "a-file").write_text("x")
+    assert _plots_error(capsys, "--records", str(records), "--out", str(tmp_path / "a-file")) == (
+        f"--out {str(tmp_path / 'a-file')!r} is an existing file; expected a directory (existing or new)")
+    engine = records / _script("plots").ENGINE_RECORDS[0]
+    engine.write_text(engine.read_text() + '{"config": "dense", "batch\n')
+    assert _plots_error(capsys, "--records", str(records), "--out", str(tmp_path / "img")).startswith(
+        f"{engine}:")
+    assert not (tmp_path / "img" / "decode-speed.png").exists()
+
+
+def test_plots_on_a_full_disk_end_in_one_line_naming_the_file(records, tmp_path, monkeypatch, capsys):
+    import matplotlib.figure
+
+    def full(self, path, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    out = tmp_path / "img"
+    assert _plots_error(capsys, "--records", str(records), "--out", str(out)) == (
+        f"{str(out / 'decode-speed.png')!r}: No space left on device")
+
+
+def test_the_release_check_on_a_file_that_is_not_a_wheel_is_one_line(tmp_path, capsys):
+    fake = tmp_path / "vllm-0.0.0-py3-none-any.whl"
+    fake.write_text("not a zip archive")
+    assert _script("check_vllm_release").main([str(fake)]) == 2
+    assert capsys.readouterr().err == (f"check_vllm_release: error: {str(fake)!r} is not a wheel (not a zip "
+                                       "archive); expected a vLLM .whl file\n")
+    assert _script("check_vllm_release").main([str(tmp_path / "missing.whl")]) == 2
+    assert capsys.readouterr().err == (f"check_vllm_release: error: {str(tmp_path / 'missing.whl')!r} does not "
+                                       "exist\n")
+
+
+def test_sigterm_ends_a_long_generate_as_ctrl_c_does_keeping_every_finished_line(tmp_path):
+    """`generate --json` over many prompts, terminated once its first two calls are done: exit 143, one line, and
+    the finished completions on stdout, each a whole JSON line."""
+    import signal
+    import subprocess
+    import time
+
+    prompts = tmp_path / "prompts.jsonl"
+    _write_rows(prompts, [{"prompt": f"{i} + 1 ="} for i in range(400)])
+    run = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "generate", "--model", "tiny-qwen3", "--prompts",
+                            str(prompts), "--json", "--max-new-tokens", "4", "--max-batch-size", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    err = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and sum("prompts done" in line for line in err) < 2:  # the first call printed
+        err.append(run.stderr.readline())
+        if not err[-1]:
+            break
+    run.send_signal(signal.SIGTERM)
+    out, rest = run.communicate(timeout=300)
+    err = "".join(err) + rest
+    assert run.returncode == 143, err
+    assert err.endswith("sparrow generate: terminated\n") and "Traceback" not in err, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert 16 <= len(rows) < 400 and out.endswith("\n")
+    assert [row["prompt_index"] for row in rows] == list(range(len(rows)))
