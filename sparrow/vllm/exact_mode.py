@@ -55,4 +55,4 @@ def draft_record(per_step_accepted: list[int] | None, num_tokens: int) -> tuple[
     drafted = [False]
     for accepted in per_step_accepted or []:
         drafted += [True] * accepted + [False]
-    return len(per_step_accepted or []), drafted[:num_tokens]
+    return len(per_step_accepted or []), (drafted + [False] * num_tokens)[:num_tokens]
