@@ -25,7 +25,7 @@ from sparrow.lora import LoraSpec, check_adapter_dir, load_adapter
 from sparrow.models import resolve_device, resolve_dtype
 from sparrow.rewards import load_reward
 from sparrow.rewards.sandbox import require_sandbox
-from sparrow.rollout.factory import check_backend, create_backend
+from sparrow.rollout.factory import check_backend, check_vllm_exact, create_backend
 from sparrow.rollout.model_spec import ModelSpec, check_rollout_workers
 from sparrow.schedules import DENSE, Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int, option
@@ -217,12 +217,11 @@ class RolloutSection:
                                          "divided by the workers)")
     max_batch_size: int = option(64, "most sequences decoded together by a rollout engine")
 
-    def validate(self, device: str, exact: bool = False) -> None:
+    def validate(self, device: str, exact: bool = False, draft_tokens: int | None = None) -> None:
         """`device`: the model section's, which decides whether local Ray workers need GPUs; `exact`: whether the
-        command rolls out in exact mode, which the backend must support."""
+        command rolls out in exact mode, with `draft_tokens` (vLLM's needs a fixed draft length)."""
         if exact and self.backend == "vllm":
-            raise SparrowError("--rollout-mode exact runs in Sparrow's engine (--backend native, with or without Ray "
-                               "workers), not in vLLM: see docs/exact-mode.md")
+            check_vllm_exact(draft_tokens)
         workers = check_rollout_workers(self.workers, self.ray_address, device)
         if self.cpus_per_worker is not None:
             check_int("cpus_per_worker", self.cpus_per_worker, 1)
@@ -242,11 +241,13 @@ class RolloutSection:
     def make_backend(self, model_section: ModelSection, sparse: SparseSection, model, tokenizer, *, log=_to_stderr,
                      lora: LoraSpec | None = None, wire_dtype: str | None = None):
         """The rollout backend for `model` (see sparrow.rollout.factory); `lora`: the shape of the DistillSparse
-        adapter the policy carries, `wire_dtype`: of the weights sent to Ray workers."""
+        adapter the policy carries, `wire_dtype`: of the weights sent to Ray workers. A vLLM engine starts in exact
+        mode when the command rolls out in it (vLLM fixes speculative decoding at start)."""
         spec = ModelSpec(model_section.name, model_section.dtype, model_section.device, sparse.config(),
                          self.max_batch_size, lora=lora, adapter=getattr(model_section, "adapter", None))
         return create_backend(model, tokenizer, spec, self.workers, self.ray_address, log=log,
-                              cpus_per_worker=self.cpus_per_worker, wire_dtype=wire_dtype, backend=self.backend)
+                              cpus_per_worker=self.cpus_per_worker, wire_dtype=wire_dtype, backend=self.backend,
+                              draft_tokens=sparse.draft)
 
 
 @dataclass

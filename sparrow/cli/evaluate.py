@@ -32,7 +32,7 @@ class EvalConfig:
     def validate(self) -> None:
         for part in (self.model, self.sparse, self.sampling, self.data):
             part.validate()
-        self.rollout.validate(self.model.device, self.sparse.exact)
+        self.rollout.validate(self.model.device, self.sparse.exact, self.sparse.draft)
         self.sampling.check_exact_rule(self.sparse.exact)
         check_int("k", self.k, 1)
         check_int("seed", self.seed, 0)

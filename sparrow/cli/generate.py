@@ -51,7 +51,7 @@ class GenerateConfig:
     def validate(self) -> None:
         for part in (self.model, self.sparse, self.sampling):
             part.validate()
-        self.rollout.validate(self.model.device, self.sparse.exact)
+        self.rollout.validate(self.model.device, self.sparse.exact, self.sparse.draft)
         self.sampling.check_exact_rule(self.sparse.exact)
         if (self.prompt is None) == (self.prompts is None):
             raise SparrowError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")

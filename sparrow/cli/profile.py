@@ -69,7 +69,10 @@ class ProfileConfig:
         if self.rollout_mode not in ("sparse", "exact"):
             raise SparrowError(f"unknown rollout mode {self.rollout_mode!r}: expected sparse or exact")
         self.draft_tokens = parse_draft_tokens(self.draft_tokens)
-        self.rollout.validate(self.model.device, self.rollout_mode == "exact")
+        self.rollout.validate(self.model.device, self.rollout_mode == "exact", self.draft_tokens)
+        if self.rollout_mode == "exact" and self.rollout.backend == "vllm":
+            raise SparrowError("profile --rollout-mode exact keeps each draft's acceptance from decoding, and vLLM "
+                               "keeps its drafts' distributions inside: use --backend native (or sparse mode)")
         self.sampling.check_exact_rule(self.rollout_mode == "exact")
         if self.prompts is None:
             raise SparrowError("give --prompts FILE.jsonl (make long ones with 'sparrow prompts')")

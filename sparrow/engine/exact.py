@@ -241,3 +241,17 @@ def exact_summary(completions: list[Completion]) -> dict[str, float]:
     return {"verifies": verifies, "tokens_per_verify": tokens / verifies, "drafted_share": accepted / max(tokens, 1),
             "coupled_acceptance": accepted / judged if judged else float("nan"),
             "mean_alpha": sum(alphas) / len(alphas) if alphas else float("nan")}
+
+
+def draft_rounds(completion: Completion, draft_tokens: int) -> list[tuple[int, int]]:
+    """(cached length at the verification, drafts kept) of each whole round of a completion drafting
+    `draft_tokens` a round, from its per-token record (`drafted`): after the prefill's token, a round commits its
+    kept drafts and one dense token. A round cut by the end of the sequence is left out."""
+    rounds, kept, start = [], 0, len(completion.prompt_token_ids) + 1
+    for i, drafted in enumerate(completion.drafted[1:], start=1):
+        if drafted:
+            kept += 1
+            continue
+        rounds.append((start, min(kept, draft_tokens)))
+        kept, start = 0, len(completion.prompt_token_ids) + i + 1
+    return rounds

@@ -77,8 +77,8 @@ class TrainRolloutSection(RolloutSection):
     wire_dtype: str | None = option(None, "dtype of the weights sent to Ray workers (bfloat16 halves the bytes; "
                                     "workers compute in --dtype)")
 
-    def validate(self, device: str, exact: bool = False) -> None:
-        super().validate(device, exact)
+    def validate(self, device: str, exact: bool = False, draft_tokens: int | None = None) -> None:
+        super().validate(device, exact, draft_tokens)
         if self.wire_dtype is not None:
             _check_choice("wire_dtype", self.wire_dtype, ("float32", "bfloat16"))
             if not self.workers:
@@ -290,7 +290,7 @@ class TrainConfig:
         for part in (self.model, self.sparse, self.sampling, self.data, self.grpo, self.monitor, self.adaptive,
                      self.eval, self.run):
             part.validate()
-        self.rollout.validate(self.model.device, self.sparse.exact)
+        self.rollout.validate(self.model.device, self.sparse.exact, self.sparse.draft)
         self.sampling.check_exact_rule(self.sparse.exact)
         distill = self.distill
         adaptive = self.sparse.schedule == ADAPTIVE

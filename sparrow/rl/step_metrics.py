@@ -8,9 +8,10 @@ timing figures of the step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from sparrow.engine.exact import exact_summary
+from sparrow.engine.exact import draft_rounds, exact_summary
 from sparrow.measure.retention import reward_retention
 from sparrow.measure.tail import bin_tails, tail_stats
 
@@ -104,14 +105,33 @@ def _status_counts(rows: list[dict]) -> dict[str, int]:
     return counts
 
 
-def exact_rollout_metrics(completions) -> dict:
-    """Exact mode's rollout: tokens per dense verification and the share of tokens that were accepted drafts
-    (nothing for other modes)."""
+def exact_rollout_metrics(completions, draft_tokens: int | None = None, bin_size: int = 512) -> dict:
+    """Exact mode's rollout: tokens per dense verification (the mean accepted length) and the share of tokens that
+    were accepted drafts (nothing for other modes). With a fixed draft length, from what the verifications kept
+    (all vLLM reports of its drafts): the share of rounds that kept their first i drafts
+    (`rollout/kept_first_<i>`), and per length bin of the cached length at the verification the share of the
+    drafts judged that were kept (`mismatch/bin_<start>/drafts_kept`, a draft is judged up to the first rejection)
+    and the rounds behind it."""
     if not any(c.verifies for c in completions):
         return {}
     summary = exact_summary(completions)
-    return {"rollout/tokens_per_verify": summary["tokens_per_verify"],
-            "rollout/drafted_share": summary["drafted_share"]}
+    metrics = {"rollout/tokens_per_verify": summary["tokens_per_verify"],
+               "rollout/drafted_share": summary["drafted_share"]}
+    if not draft_tokens:
+        return metrics
+    rounds = [r for c in completions for r in draft_rounds(c, draft_tokens)]
+    if not rounds:
+        return metrics
+    kept = np.array([k for _, k in rounds])
+    for i in range(draft_tokens):
+        metrics[f"rollout/kept_first_{i + 1}"] = float((kept > i).mean())
+    starts = np.array([length for length, _ in rounds]) // bin_size * bin_size
+    judged = kept + (kept < draft_tokens)
+    for start in np.unique(starts):
+        here = starts == start
+        metrics[f"mismatch/bin_{int(start)}/drafts_kept"] = float(kept[here].sum() / judged[here].sum())
+        metrics[f"mismatch/bin_{int(start)}/rounds"] = int(here.sum())
+    return metrics
 
 
 def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
@@ -156,7 +176,7 @@ def step_metrics(step: StepBatch, cfg: StepConfig) -> dict:
                              for name, rows in records.items() for i, row in enumerate(rows)
                              if row["status"] != "ok"][:8],
         "rollout/kv_budget_mean": float(batch.kv_budget[valid].float().mean()),
-        **exact_rollout_metrics(completions),
+        **exact_rollout_metrics(completions, cfg.draft_tokens, cfg.monitor.bin_size),
         "rollout/tokens_per_s": float(lengths.sum()) / step.timing["time/rollout_s"],
         **step.timing,
         **mismatch,

@@ -229,3 +229,24 @@ def test_auto_draft_length_keeps_the_tokens_dense_samplings(llama):
     engine = RolloutEngine(model, tok, max_batch_size=10)
     dense = engine.generate(PROMPTS, SAMPLED, DENSE, num_samples=2)
     _same(engine.generate(PROMPTS, SAMPLED, SCHEDULE, num_samples=2, draft_tokens=0), dense)
+
+
+def test_the_rounds_of_a_completion_and_what_the_verifications_kept():
+    """From the per-token record alone (all vLLM reports of its drafts): after the prefill's token each round
+    commits its kept drafts and one dense token; a round cut by the end is left out. K 3 here: rounds keeping
+    3, 0, 2 drafts, then 1 kept draft of a round the sequence ended in."""
+    from sparrow.engine import Completion
+    from sparrow.engine.exact import draft_rounds
+    from sparrow.rl.step_metrics import exact_rollout_metrics
+
+    drafted = [False, True, True, True, False, False, True, True, False, True]
+    c = Completion(0, 0, list(range(100)), token_ids=list(range(len(drafted))), verifies=4, rejections=2,
+                   drafted=drafted)
+    assert draft_rounds(c, 3) == [(101, 3), (105, 0), (106, 2)]
+    metrics = exact_rollout_metrics([c], draft_tokens=3, bin_size=104)
+    assert metrics["rollout/kept_first_1"] == pytest.approx(2 / 3)
+    assert metrics["rollout/kept_first_3"] == pytest.approx(1 / 3)
+    assert metrics["mismatch/bin_0/drafts_kept"] == 1.0 and metrics["mismatch/bin_0/rounds"] == 1  # 3 of 3 judged
+    assert metrics["mismatch/bin_104/drafts_kept"] == pytest.approx(2 / 4)  # judged: the 0 + 1 rejected, 2 + 1
+    assert metrics["rollout/tokens_per_verify"] == pytest.approx(9 / 4)
+    assert "rollout/kept_first_1" not in exact_rollout_metrics([c])  # the draft length varied (auto)
