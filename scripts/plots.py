@@ -23,9 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks"
 
-ENGINE_RECORDS = ["engine/decode-paths-session9.jsonl", "engine/decode-paths-session9-run2.jsonl"]
-VLLM_RECORDS = ["vllm/demo-shape-block16-hugepages-session10.txt", "vllm/8k-block16-hugepages-session10.txt",
-                "vllm/8k-block16-hugepages-session10-run2.txt", "vllm/8k-block16-hugepages-session10-run3.txt"]
+# Decode speed at the demo's shape and at 8K / batch 8, AMD EPYC (AVX-512), 2026-12-03: our engine's decode paths
+# measured alternately in one process, twice; vLLM with the plugin (KV blocks of 16 in huge pages) against stock vLLM
+ENGINE_RECORDS = ["engine/decode-paths-2026-12-03.jsonl", "engine/decode-paths-2026-12-03-run2.jsonl"]
+VLLM_RECORDS = ["vllm/demo-shape-block16-hugepages-2026-12-03.txt", "vllm/8k-b8-block16-hugepages-2026-12-03.txt",
+                "vllm/8k-b8-block16-hugepages-2026-12-03-run2.txt", "vllm/8k-b8-block16-hugepages-2026-12-03-run3.txt"]
 LONG_TASK_RUNS = {"dense": "promise/seed0/dense-seed0", "sparse 0:3072": "promise/seed0/sparse-0-3072-seed0",
                   "DistillSparse 0:1024": "promise-distill/seed0/sparse-0-1024-distill-seed0"}
 PROFILE = "mixed/profile/profile.json"
