@@ -65,6 +65,6 @@ def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def collapse(start: int, nbytes: int) -> bool:
     """Back the whole 2 MiB pages of CPU memory [start, start + nbytes) by huge pages now, keeping its contents;
-    whether the kernel did. Copies the memory once: 1-9 s per GiB on a 2-core VM (9 where free memory must first
-    be made into huge pages)."""
+    whether the kernel did. Copies the memory once: seconds per GiB, more where free memory must first be made into
+    huge pages."""
     return _advise(start, start + nbytes, _MADV_HUGEPAGE) and _advise(start, start + nbytes, _MADV_COLLAPSE)

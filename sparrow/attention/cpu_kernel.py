@@ -12,8 +12,8 @@ model and instruction set, so that machines sharing a home directory never load 
 dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path in charge, with one
 warning of one line saying why (sources missing from the installed package, no compiler, no ninja, a failed build). SPARROW_CPU_KERNEL=0 turns it off.
 
-Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway used to hang
-every later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and
+Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway would hang every
+later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and
 still finds torch's `lock` knows the build that made it is dead, and starts over from an empty build directory.
 Waiting for another process's build is bounded (`BUILD_WAIT_S`), after which this process uses the PyTorch path.
 """

@@ -139,8 +139,8 @@ UNIT_MAX = 1.0 - 2.0**-24
 
 def _unit(bits: torch.Tensor) -> torch.Tensor:
     """24 random bits k of each int32 as a float in (0, 1): (k + 0.5) / 2**24 rounded to float32, at most `UNIT_MAX`.
-    The largest k rounds to 1.0, whose Gumbel noise is infinite: added to a token outside top-p (-inf) it made NaN,
-    which argmax picks, so once in 2**24 entries a truncated token was drawn; it is held at UNIT_MAX instead."""
+    The largest k rounds to 1.0, whose Gumbel noise is infinite: added to a token outside top-p (-inf) it makes NaN,
+    which argmax picks, so once in 2**24 entries a truncated token would be drawn; it is held at UNIT_MAX instead."""
     return ((((bits >> 8) & 0xFFFFFF).float() + 0.5) * 2.0**-24).clamp_max(UNIT_MAX)
 
 
@@ -225,7 +225,8 @@ def top_k(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 NUCLEUS_CANDIDATES = 256
 """Tokens ranked per row before top-p looks for its nucleus; only rows whose nucleus is larger rank the whole
-vocabulary (sorting every row's 49K logits was most of a sampled step's time)."""
+vocabulary: sorting every row's logits (49K on SmolLM2) would be the slowest part of a small model's sampled step
+(benchmarks/bench_sampler.py times both)."""
 
 
 def nucleus(allowed: torch.Tensor, top_p: float) -> torch.Tensor:

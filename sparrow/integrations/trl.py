@@ -82,10 +82,10 @@ def choose_correction(args: GRPOConfig, choice: str) -> tuple[str, bool]:
 
     Sparse rollouts differ from the training model a little on many tokens. TRL 1.16's default,
     `sequence_mask`, zeroes a whole sequence when the product of its tokens' ratios leaves [clip_min, clip_max]:
-    at sparse budgets that is most of a batch (the ratio's mean was 0.05 at const:48 on SmolLM2). Token-level
-    truncation (`token_truncate`, Sparrow's TIS: each token's ratio clipped) keeps every token's signal, bounded.
-    With `choice` 'auto' TRL's default is replaced; a mode the user set (any other value, or bounds that a
-    truncation cannot use) and `choice` 'trl' are kept."""
+    at sparse budgets that is most of a batch (BENCHMARKS.md, "TRL": a sparse batch's tokens weighted by 0.077 on
+    average). Token-level truncation (`token_truncate`, Sparrow's TIS: each token's ratio clipped) keeps every
+    token's signal, bounded. With `choice` 'auto' TRL's default is replaced; a mode the user set (any other value,
+    or bounds that a truncation cannot use) and `choice` 'trl' are kept."""
     mode = args.vllm_importance_sampling_mode
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     if not args.vllm_importance_sampling_correction:

@@ -89,8 +89,8 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std: str 
     """Per-rollout advantages [P, n] from rewards [P, n] (one group = the n rollouts of a prompt), as verl names them.
 
     "grpo": (r - group mean) / (group std + eps); `std` "sample" is the Bessel-corrected std (n - 1), as verl,
-    TRL and so the authors' release use, "population" divides by n (our default before; it gives larger
-    advantages for small n, e.g. by sqrt(2) at n = 2). "dr_grpo": r - group mean (Dr. GRPO, verl's
+    TRL and so the authors' release use, "population" divides by n (larger advantages for small n, e.g. by
+    sqrt(2) at n = 2). "dr_grpo": r - group mean (Dr. GRPO, verl's
     norm_adv_by_std_in_grpo=False). "rloo": r minus the mean of the group's other rewards, n / (n - 1) (r - mean).
     `std` applies to grpo only. Groups whose rewards are all equal (a group of one included) carry no signal and
     get exactly 0, where verl would divide float noise by eps (and use mean 0, std 1 for a group of one).
