@@ -1,6 +1,7 @@
 """The documentation a newcomer reads: every relative link and image of README, BENCHMARKS, docs/ and the benchmark
-history resolves (files, and headings for `#anchors`), README stays short, and the pictures regenerate from the
-committed records with one command."""
+history resolves (files, and headings for `#anchors`), README stays short, the pictures regenerate from the
+committed records with one command, and the text outside the benchmark history describes the project as it is (no
+names of the work sessions, rounds or issues it came from)."""
 
 import re
 import subprocess
@@ -43,7 +44,7 @@ def links(page: Path):
 
 
 def test_slug_matches_github():
-    assert slug("Round 3, session 9: machine and date") == "round-3-session-9-machine-and-date"
+    assert slug("Decode at 8K, batch 8: machine and date") == "decode-at-8k-batch-8-machine-and-date"
     assert slug("`sparrow train`") == "sparrow-train"
     assert slug("Tail or mean?") == "tail-or-mean"
 
@@ -79,3 +80,42 @@ def test_plots_regenerate_from_the_records(tmp_path):
     for name in ("decode-speed.png", "reward-vs-rollout-time.png", "p5-vs-budget.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+# The project's own history named in text (a work session, round or issue by number, or a review so named): it
+# belongs in git and benchmarks/history/, not in what a reader of the code and docs reads. Paths into
+# benchmarks/history/ may name it, and so may another project's issue, PR or RFC (TRL issue #6789), a fact about
+# that project. The examples in the tests below are split in two so that this file passes its own test.
+HISTORY_NAME = re.compile(r"\b(?:session|round|issue)s?[-_ #]*[0-9]+|\bau" + r"dit", re.I)
+ALLOWED = re.compile(r"benchmarks/history/\S*|\b(?:TRL|vLLM|PyTorch|torch|transformers|verl|Ray|DeepSpeed|Triton|"
+                     r"flash-attn|nano-vllm|gpt-fast)(?:'s)?\s+(?:issue|RFC|PR|pull request)s?\s*#?[0-9]+", re.I)
+DESCRIBED = [ROOT / "README.md", ROOT / "docs", ROOT / "examples", ROOT / "scripts", ROOT / "tests", ROOT / "sparrow"]
+
+
+def described_files():
+    for top in DESCRIBED:
+        for path in sorted([top] if top.is_file() else top.rglob("*")):
+            parts = path.relative_to(ROOT).parts
+            if path.is_file() and "__pycache__" not in parts and parts[:2] != ("docs", "history"):
+                try:
+                    yield path, path.read_text(encoding="utf-8")
+                except UnicodeDecodeError:  # images, compiled extensions
+                    continue
+
+
+def test_docs_and_code_name_no_sessions_rounds_or_issues():
+    found = []
+    for path, text in described_files():
+        for number, line in enumerate(text.splitlines(), 1):
+            match = HISTORY_NAME.search(ALLOWED.sub("", line))
+            if match:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()[:100]}")
+    assert not found, "history named outside benchmarks/history/:\n" + "\n".join(found)
+
+
+def test_history_names_are_found():
+    assert HISTORY_NAME.search("measured in sess" "ion 9") and HISTORY_NAME.search("Rou" "nd-3")
+    assert HISTORY_NAME.search("(iss" "ue #40)") and HISTORY_NAME.search("the AUD" "IT found")
+    assert not HISTORY_NAME.search(ALLOWED.sub("", "untruncated ones; TRL issue #6789) gives"))
+    assert not HISTORY_NAME.search(ALLOWED.sub("", "see benchmarks/history/round-3.md#a-heading-issue-22"))
+    assert not HISTORY_NAME.search("start_new_session=True; each round's draft; issues a warning")

@@ -1,4 +1,4 @@
-"""The long-answer regime (issue 40): the `manifest` task with 128 codes, its reward, and its example prompts config.
+"""The long-answer regime: the `manifest` task with 128 codes, its reward, and its example prompts config.
 
 The tiny tokenizer is byte-level (one token a byte), so a ledger entry costs about 47 tokens under it where the
 task's estimate (`tokens_per_entry=16`) is SmolLM2's: prompts here run well over `min_tokens` whatever the first

@@ -1,4 +1,4 @@
-"""The code reward's sandbox: the escapes an audit found, each contained, the reward hacks, and the refusal path.
+"""The code reward's sandbox: each way out of it we know of, contained, the reward hacks, and the refusal path.
 
 Every escape case checks the same things: reward 0 and the expected status, nothing written outside the scratch
 directory (the host folders, files and package source are unchanged), nothing read from the home or the

@@ -1,4 +1,4 @@
-"""Every bad input of issue 13's audit ends the same way: exit code 2, one line `sparrow CMD: error: ...` on stderr,
+"""Every bad input ends the same way: exit code 2, one line `sparrow CMD: error: ...` on stderr,
 no traceback, and, where the bad value is known before the model is needed, no model loaded at all.
 
 TRAIN_CASES are the `sparrow train` options its config checks before any model loads.

@@ -1,4 +1,4 @@
-"""Bad data and silent no-ops of issue 36's audit, each ending as tests/cli/test_bad_input.py requires (exit code 2,
+"""Bad data and silent no-ops, each ending as tests/cli/test_bad_input.py requires (exit code 2,
 one line `sparrow CMD: error: ...`, no traceback), before any model loads: prompts that are not Unicode text (a lone
 surrogate), a resumed profile's damaged files, and options that would be cut down or do nothing without a word."""
 

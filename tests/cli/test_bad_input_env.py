@@ -1,4 +1,4 @@
-"""Environment variables are read strictly (issue 36): a value that is not understood is refused with one line naming
+"""Environment variables are read strictly: a value that is not understood is refused with one line naming
 the variable, the value and what is accepted; on the command line with exit code 2 before any model loads.
 """
 

@@ -1,4 +1,4 @@
-"""Bad input around runs and outputs (issue 13's audit, second part): damaged or changed run directories, a full disk
+"""Bad input around runs and outputs: damaged or changed run directories, a full disk
 during a checkpoint, unwritable outputs, schedules calibrate writes, and SPARROW_VLLM_* variables against the
 command's options. Each ends as `sparrow CMD: error: MESSAGE` on one stderr line with exit code 2."""
 

@@ -1,4 +1,4 @@
-"""Bad values of the second audit: each ends as tests/cli/test_bad_input.py requires (exit code 2, one line
+"""Bad option values, devices and files: each ends as tests/cli/test_bad_input.py requires (exit code 2, one line
 `sparrow CMD: error: ...`, no traceback), refused before any model is loaded where the value is known then."""
 
 import argparse
@@ -101,7 +101,7 @@ CASES = [
     ("bench-nan-weights", ["bench", "--model", "{files}/hf-nan", "--context", "64", "--steps", "2", "--repeats", "1"],
      NAN, False),
     ("train-nan-weights", [*TRAIN[:2], "{files}/hf-nan", *TRAIN[3:]], NAN, False),
-    # third audit (2026-12-06): a device torch names but cannot use, options that would do nothing, a schedule kind
+    # a device torch names but cannot use, options that would do nothing, a schedule kind
     # misspelled, a reward file that exits, a config.json without the model's sizes, --out onto the profile
     ("generate-device-mps", GEN + ["--prompt", "x", "--device", "mps"],
      "unknown device 'mps': expected cpu, cuda, cuda:N or auto", True),
@@ -134,7 +134,7 @@ CASES = [
      "prompt_lens must be comma-separated integers, got '100,,200'", True),
     ("calibrate-out-onto-profile", ["calibrate", "--profile", "{files}/profile.json", "--out", "{files}/profile.json"],
      "is the profile itself", True),
-    # fourth audit: schedule files, profile numbers, draft lengths, paths
+    # schedule files, profile numbers, draft lengths, paths
     ("schedule-file-unknown-bin-key", ["schedule", "show", "--json", "{files}/topk.json"],
      "topk.json': bin 0 has unknown key 'topk'; expected only start and kv_budget", True),
     ("schedule-file-unknown-key", ["schedule", "show", "--json", "{files}/colour.json"],

@@ -1,5 +1,5 @@
 """The run-time schedule file of a TRL run: a new run starts the file over at version 1 whatever an earlier run
-left in it, while a writer that would take the version back is refused (issue 36)."""
+left in it, while a writer that would take the version back is refused."""
 
 import pytest
 

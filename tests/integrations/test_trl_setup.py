@@ -1,4 +1,4 @@
-"""What `SparrowGRPOTrainer` sets and says before and around TRL's run (issue 37, items 2, 3 and 5): the importance
+"""What `SparrowGRPOTrainer` sets and says before and around TRL's run: the importance
 sampling correction that fits sparse rollouts unless the user chose one, Sparrow's model names, one message per
 bad argument, the warning of a schedule that never decodes sparsely, the adaptive bins up to the length vLLM holds,
 and TRL's version warning filtered for the tested vLLM release only."""

@@ -98,7 +98,7 @@ def test_the_long_demo_schedule_is_the_reward_aware_calibration_of_its_shipped_p
 
 
 def test_the_shipped_reward_profile_calibrates_to_3072_tokens_for_a_retention_of_09():
-    """examples/manifest-reward-profile.json (BENCHMARKS, round 3): on the long task p5 holds tau 0.75 from 1024
+    """examples/manifest-reward-profile.json (Intel, 2026-12-02): on the long task p5 holds tau 0.75 from 1024
     tokens and 0.86 from 2048, but only 3072 keeps 90% of the dense reward."""
     profile = json.loads(Path("examples/manifest-reward-profile.json").read_text())
     assert calibrate(profile, 0.75, margin=0.02)[0].budgets == (1024,)

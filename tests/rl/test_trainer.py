@@ -198,7 +198,7 @@ def _from_mapping(mapping: dict) -> TrainConfig:
 
 
 def test_the_long_answer_config_validates_with_its_decode_bound_settings(tmp_path):
-    """examples/smollm2-longanswer.yaml (issue 40) builds and validates once its data file exists: answers of up to
+    """examples/smollm2-longanswer.yaml builds and validates once its data file exists: answers of up to
     1400 tokens at temperature 1 and top-p 0.9, number_f1, one prompt x 8 samples, the calibrated 0:2048."""
     import yaml
 
