@@ -177,54 +177,6 @@ def machine_info(device: torch.device) -> dict:
 
 
 @dataclass
-class VLLMBenchResult:
-    """Decode tokens/s of one vLLM engine: dense and, with the plugin, under the schedule."""
-
-    dense_tokens_per_s: float
-    sparse_tokens_per_s: float | None
-    prefill_s: float
-
-
-def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: int, steps: int = 32,
-                       repeats: int = 3, seed: int = 0, log=print) -> VLLMBenchResult:
-    """Decode tokens/s of a `VLLMBackend` at `context` cached tokens on `batch` distinct random prompts.
-
-    The prompts are prefilled once (their blocks stay in vLLM's prefix cache); each timed call then decodes
-    `steps` tokens per request, and the rate is batch * (steps - 1) over the time beyond a 1-token call, so the
-    recompute of each prompt's partial last block cancels out. `schedule` None: dense only (stock vLLM).
-    """
-    vocab = len(backend.tokenizer)
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0)
-    many = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, num_logprobs=0)
-    log(f"prefill: {batch} distinct prompts of {context} tokens")
-    start = time.perf_counter()
-    backend.generate(prompts, one, DENSE)
-    prefill_s = time.perf_counter() - start
-    configs = {"dense": DENSE} if schedule is None else {"dense": DENSE, "sparse": schedule}
-    log(f"warm-up: {steps} tokens x {batch} requests, " + " and ".join(configs))
-    for sched in configs.values():
-        backend.generate(prompts, many, sched)  # warm-up
-    times = {name: [] for name in configs}
-    for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
-        for name, sched in configs.items():
-            backend.generate(prompts, one, sched)  # untimed: a sparse call after a dense one rebuilds landmarks
-            start = time.perf_counter()
-            backend.generate(prompts, one, sched)
-            base = time.perf_counter() - start
-            start = time.perf_counter()
-            backend.generate(prompts, many, sched)
-            times[name].append(time.perf_counter() - start - base)
-        log(f"repeat {r + 1}/{repeats}: {steps} tokens x {batch} requests, "
-            + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items()))
-    rates = {name: batch * (steps - 1) / statistics.median(t) for name, t in times.items()}
-    for name, t in times.items():
-        log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / (steps - 1):.1f} ms/step)")
-    return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s)
-
-
-@dataclass
 class ExactBenchResult:
     """Decode tokens/s of dense, sparse and exact mode on real text, and what exact mode's verification did."""
 

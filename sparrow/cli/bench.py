@@ -15,8 +15,8 @@ from sparrow.bench import (
     predicted_steps,
     run_benchmark,
     run_exact_benchmark,
-    run_vllm_benchmark,
 )
+from sparrow.bench_vllm import run_vllm_benchmark, run_vllm_exact_benchmark
 from sparrow.engine import RolloutEngine
 from sparrow.engine.sampling import EXACT_RULES
 from sparrow.errors import SparrowError
@@ -75,9 +75,9 @@ class BenchConfig:
             raise SparrowError(f"--block-size {self.block_size} is longer than the benchmark's sequences "
                                f"({longest} tokens): expected at most {longest - longest % 16 + 16}; one block "
                                "would hold more than a whole sequence")
-        if self.sparse.exact and (self.backend != "native" or self.stock or self.block_size):
-            raise SparrowError("--rollout-mode exact benchmarks our engine on real text: it takes no --backend vllm, "
-                               "--stock or --block-size")
+        if self.sparse.exact and self.backend == "vllm" and not self.sparse.draft_tokens:
+            raise SparrowError("--backend vllm fixes the draft length when the engine starts: give --draft-tokens K "
+                               "(1-64), not auto")
         if self.exact_rule not in EXACT_RULES:
             raise SparrowError(f"--exact-rule {self.exact_rule!r}: expected one of {', '.join(EXACT_RULES)}")
         check_exact_rule_mode(self.exact_rule, self.sparse.exact)
@@ -132,7 +132,7 @@ def run(args) -> int:
             "the sparse decode reads the whole cache as the dense one does, so their ratio is noise; give a longer "
             "--context or a smaller budget to measure sparsity")
     if config.sparse.exact:
-        return _run_exact(config, engine, log)
+        return _run_exact(config, engine, stock, log)
     result = run_benchmark(engine, config.sparse.parsed_schedule, config.context, config.batch, config.steps,
                            config.warmup, config.repeats, config.hf, config.seed, log=log)
     record = {**dataclasses.asdict(result), "config": to_nested(config),
@@ -157,13 +157,16 @@ def run(args) -> int:
     return 0
 
 
-def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
-    """Dense, sparse and exact decode on real text, alternated; one JSON object or a summary line."""
+def _run_exact(config: BenchConfig, engine: RolloutEngine, stock: float | None, log) -> int:
+    """Dense, sparse and exact decode on real text, alternated (our engine, then with --backend vllm inside vLLM);
+    one JSON object or a summary line."""
     result = run_exact_benchmark(engine, config.sparse.parsed_schedule, config.sparse.draft_tokens, config.context,
                                  config.batch, config.steps, config.repeats, config.seed, log=log,
                                  exact_rule=config.exact_rule)
     record = {**dataclasses.asdict(result), "config": to_nested(config), "machine": machine_info(engine.device),
               "date": datetime.date.today().isoformat()}
+    if config.backend == "vllm":
+        record["vllm"] = _vllm_exact_results(config, engine.tokenizer, stock, log)
     if config.predict:
         rates = {"dense": result.dense_tokens_per_s, "sparse": result.sparse_tokens_per_s,
                  "exact": result.exact_tokens_per_s}
@@ -176,6 +179,12 @@ def _run_exact(config: BenchConfig, engine: RolloutEngine, log) -> int:
                 if config.exact_rule == "coupled" else "   (residual rule: the dense distribution, not its tokens)")
         print(f"sparse / dense: {result.sparse_over_dense:.2f}x   exact / dense: {result.exact_over_dense:.2f}x "
               f"({result.tokens_per_verify:.2f} tokens per verification){same}")
+        if config.backend == "vllm":
+            v = record["vllm"]
+            print(f"   in vLLM, greedy: sparse / dense {v['sparse_over_dense']:.2f}x, exact / dense "
+                  f"{v['exact_over_dense']:.2f}x ({v['tokens_per_verify']:.2f} tokens per verification, "
+                  f"{v['identical_sequences']} of {v['sequences']} identical to dense)"
+                  + (f"; plugin dense / stock vLLM {v['dense_over_stock']:.2f}x" if stock else ""))
         if config.predict:
             _print_predicted(record["predicted"], config.machine.hardware)
     return 0
@@ -205,7 +214,7 @@ def _stock_vllm(config: BenchConfig, log) -> float:
 
     directory, gib, length, args = _vllm_setup(config)
     child = ("import json, sys\n"
-             "from sparrow.bench import run_vllm_benchmark\n"
+             "from sparrow.bench_vllm import run_vllm_benchmark\n"
              "from sparrow.models import load_model\n"
              "from sparrow.rollout.vllm_backend import VLLMBackend\n"
              "if __name__ == '__main__':\n"
@@ -245,6 +254,29 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
             "sparse_over_dense": result.sparse_tokens_per_s / result.dense_tokens_per_s,
             "dense_over_stock": None if stock is None else result.dense_tokens_per_s / stock,
             "prefill_s": result.prefill_s}
+
+
+def _vllm_exact_results(config: BenchConfig, tokenizer, stock: float | None, log) -> dict:
+    """The plugin's dense and sparse decode and exact mode inside vLLM (two engines: vLLM fixes speculative decoding
+    when it starts), next to stock vLLM's dense rate."""
+    from sparrow.rollout.vllm_backend import VLLMBackend
+
+    directory, gib, length, args = _vllm_setup(config)
+    blocks = {"block_size": config.block_size} if config.block_size else {}
+    log("vLLM with Sparrow's plugin, and in exact mode (a second engine, the drafter's copy of the model and cache):")
+    plain = VLLMBackend(directory, tokenizer, config.sparse.config(), dtype=config.model.dtype, kv_cache_gib=gib,
+                        max_model_len=length, log=lambda m: None, **blocks)
+    exact = VLLMBackend(directory, tokenizer, config.sparse.config(), dtype=config.model.dtype,
+                        kv_cache_gib=2 * gib, max_model_len=length, log=lambda m: None,
+                        draft_tokens=config.sparse.draft_tokens, **blocks)
+    try:
+        result = run_vllm_exact_benchmark(plain, exact, config.sparse.parsed_schedule, config.sparse.draft_tokens,
+                                          log=log, **args)
+    finally:
+        plain.close()
+        exact.close()
+    return {**dataclasses.asdict(result), "stock_dense_tokens_per_s": stock,
+            "dense_over_stock": None if stock is None else result.dense_tokens_per_s / stock}
 
 
 def add_parser(sub) -> None:

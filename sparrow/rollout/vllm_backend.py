@@ -165,11 +165,6 @@ class VLLMBackend:
                                f"{_mode(draft_tokens)}: vLLM fixes speculative decoding when it starts")
         if draft_tokens is not None and schedule.is_dense:
             raise SparrowError("exact mode drafts under a sparse schedule; got the dense schedule")
-        if draft_tokens is not None and sampling.temperature > 0 and self._on_cpu():
-            raise SparrowError(f"exact mode in vLLM's CPU build runs greedy decoding only (temperature 0, got "
-                               f"{sampling.temperature}): vLLM 0.32's CPU speculative decoding does not return "
-                               "the target's distribution at temperature > 0 (docs/exact-mode.md); use "
-                               "--backend native for exact sampling on CPU")
         keys = check_generate(prompts, num_samples, prompt_keys)
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for i, ids in enumerate(encoded):
@@ -202,9 +197,6 @@ class VLLMBackend:
         for completion, output in zip(completions, outputs):
             self._fill(completion, output.outputs[0], sampling, schedule)
         return completions
-
-    def _on_cpu(self) -> bool:
-        return self.llm.llm_engine.vllm_config.device_config.device_type == "cpu"
 
     def _warn_if_preemptible(self, tokens: int) -> None:
         """Say so when the call may not fit vLLM's KV cache: vLLM then preempts requests and recomputes them as

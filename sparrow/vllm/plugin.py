@@ -28,7 +28,10 @@ def register() -> None:
     from sparrow.errors import SparrowError
 
     if current_platform.is_cpu():
+        from .cpu_fixes import fix_expand_kernel
+
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        fix_expand_kernel()  # exact mode's rejection sampler needs it (cpu_fixes.py)
     elif current_platform.is_cuda():
         from .wrapped import WRAPPED, wrapper_path
 

@@ -153,24 +153,36 @@ def test_at_temperature_one_the_rule_returns_the_dense_distribution_and_acceptin
     assert (kept == draft).float().mean() == pytest.approx(float(torch.minimum(p, q).sum()), abs=0.03)
 
 
-def test_vllm_cpu_speculative_sampling_is_not_lossless_so_exact_mode_refuses_temperature_above_zero():
-    """vLLM 0.32's CPU build, its own speculative decoding with the model as its own draft and no Sparrow rule in
-    the target: at temperature 1 the second token does not follow the dense policy (chi-square), although the
-    rule's kernels do (above) and plain sampling does. So the backend refuses exact mode above temperature 0 on
-    CPU. When this starts to fail, vLLM has fixed it: lift the refusal in VLLMBackend.generate."""
-    from vllm import SamplingParams as VSamplingParams
-
+def test_at_temperature_one_exact_samples_follow_the_dense_distribution_and_sparse_decodes_do_not():
+    """End to end: the second token of 3000 exact-mode samples (a sparse draft at const:48, 3 of 19 pages, kept by
+    vLLM's rule or redrawn) passes a chi-square test against the dense policy's distribution (the first token summed
+    out). A rule keeping every draft would return the draft's own sample there, which is what the plugin's sparse
+    decode draws (the same sparse step over the same cache); the test rejects those. On CPU this needs the plugin's
+    fix of vLLM's expand kernel (cpu_fixes.py): without it the target's logits are divided by garbage."""
     exact, model, _ = _backend(1)
+    plain, _, _ = _backend(None)
     prompt = random_prompts([300], seed=5)[0]
-    with pytest.raises(SparrowError, match="greedy decoding only"):
-        exact.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=2), const(64), draft_tokens=1)
-    from sparrow.vllm import state
+    expected = _second_token_marginal(model, prompt)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True, seed=0)
+    p_values = {}
+    for name, backend, drafts in (("exact", exact, 1), ("sparse", plain, None)):
+        out = backend.generate([prompt], sampling, const(48), num_samples=3000, draft_tokens=drafts)
+        p_values[name] = _chi_square_p([c.token_ids[1] for c in out], expected)
+        if drafts:
+            assert 0 < sum(sum(c.drafted) for c in out) < 3000  # drafts kept, and not all
+    assert p_values["exact"] > 1e-3 and p_values["sparse"] < 1e-4, p_values
 
-    state.set_schedule(const(4096))  # the drafter decodes densely: this is vLLM's speculative decoding alone
-    exact.llm.generate([{"prompt_token_ids": prompt}], VSamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    params = [VSamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True) for _ in range(1200)]
-    out = exact.llm.generate([{"prompt_token_ids": prompt}] * 1200, params, use_tqdm=False)
-    assert _chi_square_p([o.outputs[0].token_ids[1] for o in out], _second_token_marginal(model, prompt)) < 1e-6
+
+def test_the_expand_kernel_fix_writes_in_place_in_the_outputs_dtype():
+    from sparrow.vllm.cpu_fixes import expand
+
+    temperature = torch.tensor([1.0, 0.7, -1.0, 1.3])
+    out = torch.full((7,), float("nan"))
+    expand(out, temperature, torch.tensor([2, 3, 5, 6], dtype=torch.int32), -1.0, 1.0)
+    assert out[:6].tolist() == pytest.approx([1.0, 1.0, 0.7, 1.0, 1.0, 1.3]) and out[6].isnan()
+    top_k = torch.zeros(3, dtype=torch.int32)
+    expand(top_k, torch.tensor([5, 0], dtype=torch.int32), torch.tensor([1, 3]), 0, 9)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 9, 9]
 
 
 def test_a_weight_sync_reaches_the_drafter():
@@ -191,3 +203,19 @@ def test_a_weight_sync_reaches_the_drafter():
     assert [c.token_ids for c in after] == [c.token_ids for c in dense]
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert sum(c.rejections for c in after) == 0
+
+
+def test_generate_in_exact_mode_with_backend_vllm_records_verifications_and_drafts(tmp_path, capsys):
+    """`sparrow generate --backend vllm --rollout-mode exact --draft-tokens K`: the engine starts drafting K, and
+    each `--json` record carries `verifies` and `drafted` as our engine's do; auto is refused before vLLM starts."""
+    from sparrow.cli import main
+
+    base = ["generate", "--backend", "vllm", "--model", _model_dir(), "--rollout-mode", "exact", "--schedule",
+            "const:64", "--prompt", "the quick brown fox " * 60, "--max-new-tokens", "12"]
+    assert main(base + ["--draft-tokens", "auto"]) == 2
+    assert "fixes the draft length when the engine starts" in capsys.readouterr().err
+    assert main(base + ["--draft-tokens", "2", "--temperature", "0", "--json"]) == 0
+    import json
+
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["verifies"] >= 1 and len(row["drafted"]) == len(row["token_ids"]) == 12
