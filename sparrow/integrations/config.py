@@ -11,8 +11,10 @@ from sparrow.rl.adaptive import ADAPTIVE
 from sparrow.rl.config import AdaptiveSection, MonitorSection
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import check_finite, check_int
+from sparrow.vllm.exact_mode import MAX_DRAFT_TOKENS
 
 CORRECTIONS = ("auto", "trl")
+ROLLOUT_MODES = ("sparse", "exact")
 
 
 @dataclass
@@ -34,6 +36,10 @@ class SparrowConfig:
     correction: `auto` (TRL's importance sampling correction becomes token-level truncation, Sparrow's TIS, unless
       the GRPOConfig names another `vllm_importance_sampling_mode` than TRL's default) or `trl` (GRPOConfig's as
       it is, TRL's default included); the trainer logs which is in force.
+    rollout_mode: `sparse` (the rollouts decode under the schedule) or `exact` (colocate mode: vLLM's speculative
+      decoding with the policy drafting `draft_tokens` a round under the fixed sparse `schedule` and verifying
+      densely, sparrow/vllm/exact_mode.py; the rollouts are the dense policy's samples, so the importance weights
+      are 1 and nothing is teacher-forced: the logs carry what the verifications kept).
     """
 
     schedule: str = ADAPTIVE
@@ -51,8 +57,11 @@ class SparrowConfig:
     adaptive_min_tokens: int = AdaptiveSection.min_tokens
     adaptive_fallback: str = AdaptiveSection.fallback
     correction: str = "auto"
+    rollout_mode: str = "sparse"
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
+        self._check_rollout_mode()
         if self.correction not in CORRECTIONS:
             raise SparrowError(f"SparrowConfig.correction {self.correction!r}: expected 'auto' (token-level "
                                "truncated importance sampling unless GRPOConfig names a mode) or 'trl' (GRPOConfig's "
@@ -66,6 +75,22 @@ class SparrowConfig:
         if not isinstance(self.schedule, str) or not self.schedule.strip():
             raise SparrowError(f"schedule {self.schedule!r}: expected a schedule spec, preset, file or 'adaptive'")
         self.start_schedule()  # a bad spec stops here, before TRL builds anything
+
+    def _check_rollout_mode(self) -> None:
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise SparrowError(f"SparrowConfig.rollout_mode {self.rollout_mode!r}: expected 'sparse' or 'exact'")
+        if self.rollout_mode == "sparse":
+            return
+        if not isinstance(self.schedule, str) or self.schedule.strip() in (ADAPTIVE, "dense"):
+            raise SparrowError(f"SparrowConfig(rollout_mode='exact') drafts under a fixed sparse schedule, got "
+                               f"schedule {self.schedule!r}: give one such as 'const:1024' (in exact mode the budget "
+                               "sets speed only; the rollouts are the dense policy's whatever it is)")
+        if check_int("draft_tokens", self.draft_tokens, 1) > MAX_DRAFT_TOKENS:
+            raise SparrowError(f"draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+
+    @property
+    def exact(self) -> bool:
+        return self.rollout_mode == "exact"
 
     @property
     def sparse(self) -> SparseConfig:

@@ -44,6 +44,7 @@ from sparrow.vllm.env import FOLLOW, environment_for
 from .config import SparrowConfig
 from .monitor import gather_rows, measure, rollout_batch, verdict
 from .schedule_file import RunTimeSchedule, SparseCoverage
+from .trl_exact import DraftCounters, exact_engine
 
 __all__ = ["SparrowConfig", "SparrowGRPOTrainer"]
 
@@ -137,8 +138,13 @@ def max_model_length(model, args: GRPOConfig) -> int:
 
 def configure_plugin(config: SparrowConfig, path: Path, mode: str) -> None:
     """Colocate mode: this process's vLLM follows `path` (the plugin is registered again if vLLM had loaded its
-    plugins before the variable was set), on CPU with TRL patched for vLLM's CPU build (trl_cpu.py)."""
+    plugins before the variable was set), on CPU with TRL patched for vLLM's CPU build (trl_cpu.py), in exact mode
+    with TRL's engine built for it (trl_exact.py)."""
     if mode != "colocate":
+        if config.exact:
+            raise SparrowError(f"SparrowConfig(rollout_mode='exact') runs in TRL's colocate mode (vllm_mode="
+                               f"'colocate'), got vllm_mode={mode!r}: the trainer builds the engine's speculative "
+                               "decoding there")
         return
     os.environ.update(environment_for(config.sparse, f"{FOLLOW}{path}"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -151,6 +157,8 @@ def configure_plugin(config: SparrowConfig, path: Path, mode: str) -> None:
     if vllm.plugins.plugins_loaded:
         plugin.register()
     adapt_trl_to_vllm_cpu()
+    if config.exact:
+        exact_engine(config.draft_tokens)
 
 
 class SparrowGRPOTrainer(GRPOTrainer):
@@ -180,6 +188,12 @@ class SparrowGRPOTrainer(GRPOTrainer):
         self.sparrow_warnings: list[tuple[int, str]] = []
         self._sparrow_batches = 0
         self._sparrow_last_schedule = None  # the schedule in force at the last generation batch
+        self.sparrow_drafts = DraftCounters(self.sparrow.draft_tokens) if self.sparrow.exact else None
+        if self.sparrow.exact and state.is_main_process:
+            log.info("exact mode: %s drafts %d tokens per dense verification in vLLM; the rollouts are the dense "
+                     "policy's samples, so the importance weights are 1 (TRL's correction leaves them so) and no "
+                     "rollout is teacher-forced: the logs carry what the verifications kept", self.sparrow.schedule,
+                     self.sparrow.draft_tokens)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._sparrow_engine_length()
         self.sparrow_coverage = SparseCoverage(self.sparrow, self.sparrow_schedule.max_length)
@@ -233,7 +247,9 @@ class SparrowGRPOTrainer(GRPOTrainer):
         measured = self.sparrow_schedule.measured()
         self._sparrow_batches += 1
         due = (self._sparrow_batches - 1) % self.sparrow.monitor_every == 0
-        if due and not (schedule.is_dense and not measured):
+        if self.sparrow_drafts is not None:  # exact mode: what the verifications kept is the monitor
+            metrics.update(self.sparrow_drafts.read(self.vllm_generation.llm))
+        elif due and not (schedule.is_dense and not measured):
             table = self._sparrow_measure(output, {"current": schedule, **measured})
             alpha, positions = table[:, 0], table[:, -1]
             exact, tail = verdict(alpha, positions, self.sparrow.monitor)

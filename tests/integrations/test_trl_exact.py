@@ -1,0 +1,88 @@
+"""`SparrowGRPOTrainer` with `SparrowConfig(rollout_mode="exact")`: TRL's colocated engine drafts with the policy
+under the sparse schedule and verifies densely (sparrow/vllm/exact_mode.py); one GRPO step on a tiny model."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sparrow.errors import SparrowError
+from sparrow.integrations.config import SparrowConfig
+from tests.conftest import save_tiny_for_vllm
+from tests.integrations.test_trl_setup import Records, constant_reward
+
+
+def test_exact_mode_takes_a_fixed_sparse_schedule_and_a_draft_length():
+    assert SparrowConfig(schedule="const:64", rollout_mode="exact", draft_tokens=2).exact
+    for bad, match in ((dict(schedule="adaptive"), "fixed sparse schedule"),
+                       (dict(schedule="dense"), "fixed sparse schedule"),
+                       (dict(schedule="const:64", draft_tokens=0), "draft_tokens must be an integer >= 1"),
+                       (dict(schedule="const:64", draft_tokens=65), "at most 64"),
+                       (dict(schedule="const:64", rollout_mode="fast"), "expected 'sparse' or 'exact'")):
+        with pytest.raises(SparrowError, match=match):
+            SparrowConfig(**{"rollout_mode": "exact", **bad})
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from sparrow.integrations.trl import SparrowGRPOTrainer
+
+    tmp = tmp_path_factory.mktemp("trl-exact")
+    model_dir = str(save_tiny_for_vllm(tmp / "tiny"))
+    saved = dict(os.environ)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", SPARROW_HUGE_PAGES="0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    logger = logging.getLogger("sparrow.integrations.trl")
+    records, level = Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    args = GRPOConfig(output_dir=str(tmp / "run"), max_steps=1, learning_rate=1e-2, save_strategy="no",
+                      report_to="none", use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=12, temperature=1.0, use_vllm=True,
+                      vllm_mode="colocate", logging_steps=1, vllm_max_model_length=1024)
+    trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=constant_reward, args=args,
+                                 train_dataset=datasets.Dataset.from_list([{"prompt": "count the pages " * 30}] * 4),
+                                 processing_class=AutoTokenizer.from_pretrained(model_dir),
+                                 sparrow_config=SparrowConfig(schedule="const:64", rollout_mode="exact",
+                                                              draft_tokens=2))
+    trainer.train()
+    yield trainer, records.lines
+    logger.removeHandler(records)
+    logger.setLevel(level)
+    trainer.vllm_generation.llm = None
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_one_exact_step_drafts_sparsely_verifies_and_says_the_weights_are_one(exact_run):
+    trainer, lines = exact_run
+    config = trainer.vllm_generation.llm.llm_engine.vllm_config.speculative_config
+    assert config.method == "draft_model" and config.num_speculative_tokens == 2
+    logged = {k: v for row in trainer.state.log_history for k, v in row.items()}
+    assert 1 <= logged["rollout/tokens_per_verify"] <= 3 and logged["rollout/verifications"] > 0
+    assert 0 <= logged["rollout/kept_first_2"] <= logged["rollout/kept_first_1"] <= 1
+    assert not any(key.startswith("mismatch/exact") for key in logged)  # nothing teacher-forced
+    assert any("exact mode" in message and "importance weights are 1" in message for _, message in lines)
+    assert np.isfinite(logged["loss"])
+
+
+def test_trls_weight_sync_reaches_the_drafter(exact_run):
+    """After the step's update, TRL's sync puts the new weights into the target and the drafter alike."""
+    trainer, _ = exact_run
+    generation = trainer.vllm_generation
+    generation.sync_weights()
+    runner = generation.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    name = "model.layers.1.input_layernorm.weight"
+    trained = dict(trainer.model.named_parameters())[name].detach()
+    target = dict(runner.model.named_parameters())[name]
+    drafter = dict(runner.drafter.model.named_parameters())[name]
+    assert not torch.equal(trained, torch.ones_like(trained))  # the update moved it (initialised to ones)
+    assert torch.equal(target, trained) and torch.equal(drafter, trained)
