@@ -11,6 +11,7 @@ from sparrow.errors import SparrowError
 from sparrow.io import require_file
 from sparrow.measure.calibration import per_length_acceptance, profiled_schedule
 from sparrow.measure.cost_model import (
+    DRAFTERS,
     MAX_LENGTH,
     best_draft_tokens,
     check_trajectory,
@@ -66,6 +67,9 @@ class CostConfig:
                                                   "(instead of one --acceptance)")
     draft_tokens: int | str = option("auto", "exact mode: tokens drafted per dense verification, or auto (also 0): "
                                              "the best of 1-16")
+    exact_drafter: str = option("shared", "exact mode's drafter: shared (our engine: drafts over the verified "
+                                          "cache) or copy (vLLM's: a second copy of the model with its own cache, "
+                                          "whose first pass each round rewrites the verified tokens densely)")
     training: bool = option(False, "also price a whole GRPO step of the group: the update (forward and backward "
                                    "of the prompt and every completion) both rollouts pay, and the exact monitor "
                                    "sparse ones pay")
@@ -95,6 +99,8 @@ class CostConfig:
             raise SparrowError("give --acceptance (one value) or --acceptance-profile (per length bin), not both")
         if self.acceptance_profile is not None:
             require_file(self.acceptance_profile, "acceptance profile")
+        if self.exact_drafter not in DRAFTERS:
+            raise SparrowError(f"--exact-drafter {self.exact_drafter!r}: expected one of {', '.join(DRAFTERS)}")
         if self.draft_tokens and self.acceptance is None and self.acceptance_profile is None:
             raise SparrowError("--draft-tokens prices exact mode, which needs --acceptance (the drafts' per-token "
                                "acceptance, e.g. a profile's mean alpha) or --acceptance-profile")
@@ -156,7 +162,8 @@ def evaluate(config: CostConfig) -> dict:
     if acceptance is not None:
         price = (functools.partial(exact_decode, draft_tokens=config.draft_tokens) if config.draft_tokens
                  else best_draft_tokens)
-        exact = price(*trajectory, acceptance=acceptance, page_size=sparse.page_size, **options)
+        exact = price(*trajectory, acceptance=acceptance, page_size=sparse.page_size, drafter=config.exact_drafter,
+                      **options)
         result["exact"] = {"draft_tokens": config.draft_tokens, **exact,
                            **({"per_length": acceptance} if isinstance(acceptance, list) else {})}
     if config.training:

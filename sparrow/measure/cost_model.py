@@ -426,9 +426,12 @@ def acceptance_segments(acceptance, prompt_len: int, gen_len: int) -> list[tuple
             for (first, end), (_, value) in zip(itertools.pairwise(bounds), acceptance, strict=True) if end > first]
 
 
+DRAFTERS = ("shared", "copy")
+
+
 def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
                  acceptance, draft_tokens: int, page_size: int = 16, dense_layers: int = 2,
-                 landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> dict:
+                 landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2, drafter: str = "shared") -> dict:
     """Predicted decode cost of exact mode against dense decode over one trajectory.
 
     A round drafts K tokens with `schedule` (K sparse decode steps) and verifies them with one dense span step of
@@ -437,7 +440,12 @@ def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: 
     takes n / E rounds. The per-step sums of the trajectory (sparse and dense decode) price the K drafts and the
     verification at the lengths they run at. `acceptance` is the coupled acceptance a (a profile's mean alpha is
     its upper bound): one value, or per cached length as `acceptance_segments` reads it, each stretch of the
-    trajectory priced at its own."""
+    trajectory priced at its own. `drafter`: "shared" (our engine: the drafts decode over the verified cache) or
+    "copy" (vLLM's draft model, a second copy with its own cache: its first pass of a round rewrites the K+1
+    verified tokens densely, priced as a second verification, and draws the first draft; K-1 sparse steps
+    follow)."""
+    if drafter not in DRAFTERS:
+        raise SparrowError(f"drafter {drafter!r}: expected one of {', '.join(DRAFTERS)}")
     options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
                "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
     check_int("draft_tokens", draft_tokens, 1)
@@ -452,7 +460,9 @@ def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: 
                        attn_flops=(draft_tokens + 1) * part_dense.attn_flops, score_flops=0,
                        forwards=part_dense.forwards)
         per_round = tokens_per_verify(value, draft_tokens)
-        exact_cost += (draft_tokens * part_sparse.cost + verify.cost) / per_round
+        drafts = (draft_tokens * part_sparse.cost if drafter == "shared"
+                  else verify.cost + (draft_tokens - 1) * part_sparse.cost)
+        exact_cost += (drafts + verify.cost) / per_round
         rounds += steps / per_round
         weighted += steps * value
     return {"acceptance": weighted / gen_len, "dense_decode_cost": dense.cost, "sparse_decode_cost": sparse.cost,

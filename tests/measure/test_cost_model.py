@@ -374,6 +374,26 @@ def test_exact_decode_prices_k_drafts_and_one_span_verification():
                for k in range(1, 17))
 
 
+def test_vllms_drafter_copy_pays_a_second_dense_span_per_round_for_its_first_draft():
+    """vLLM's draft model has a cache of its own: each round its first pass rewrites the K+1 verified tokens densely
+    (priced as a second verification) and draws the first draft, then K-1 sparse steps; our engine's drafts are
+    K sparse steps. So, per round, copy = shared + verification - one sparse step."""
+    dims, hw = model_dims("qwen3-4b"), hardware("h100")
+    args = (dims, hw, const(2048), 32768, 1024, 32)
+    sparse = trajectory_cost(dims, hw, const(2048), 32768, 1024, 32).decode
+    dense = trajectory_cost(dims, hw, DENSE, 32768, 1024, 32).decode
+    for k, a in ((1, 0.9), (4, 0.8)):
+        verify = dense.cost + k * (dense.proj_flops + dense.attn_flops)
+        shared = exact_decode(*args, acceptance=a, draft_tokens=k)
+        copy = exact_decode(*args, acceptance=a, draft_tokens=k, drafter="copy")
+        rounds = tokens_per_verify(a, k)
+        assert shared["exact_decode_cost"] == pytest.approx((k * sparse.cost + verify) / rounds)
+        assert copy["exact_decode_cost"] == pytest.approx(((k - 1) * sparse.cost + 2 * verify) / rounds)
+        assert copy["exact_over_dense"] < shared["exact_over_dense"]
+    with pytest.raises(SparrowError, match="drafter 'twin'"):
+        exact_decode(*args, acceptance=0.9, draft_tokens=2, drafter="twin")
+
+
 def test_exact_decode_prices_each_stretch_of_lengths_at_its_own_acceptance():
     dims, hw = model_dims("smollm2-135m"), hardware("h200")
     args = (dims, hw, const(1024), 4000, 1000, 8)
