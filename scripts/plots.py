@@ -103,7 +103,7 @@ def plot_decode_speed(records: Path, out: Path) -> Path:
 
 def plot_reward_vs_rollout_time(records: Path, out: Path) -> Path:
     """`sparrow report`'s reward-against-rollout-seconds figure for the long task's seed-0 runs."""
-    from sparrow.rl.report import write_report
+    from sparrow.report import write_report
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = []

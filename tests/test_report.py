@@ -6,7 +6,8 @@ import json
 import pytest
 from scipy import stats
 
-from sparrow.rl.report import _rollout_clock, _throughput, write_report
+from sparrow.report import write_report
+from sparrow.report.runs import rollout_clock, throughput
 
 
 def _run(path, rows, evals):
@@ -23,10 +24,10 @@ def _row(step, reward, rollout_s, tokens):
 
 def test_throughput_is_total_tokens_over_total_rollout_seconds():
     rows = [_row(1, 0.1, 10.0, 100), _row(2, 0.2, 30.0, 500)]
-    assert _throughput(rows) == pytest.approx(600 / 40)  # not the median of 10 and 16.7 tokens/s
+    assert throughput(rows) == pytest.approx(600 / 40)  # not the median of 10 and 16.7 tokens/s
     rows[1]["time/step_s"] = 90.0
-    assert _throughput(rows, "time/step_s") == pytest.approx(600 / 110)  # per whole-step second
-    assert _rollout_clock(rows) == {0: 0.0, 1: 10.0, 2: 40.0}
+    assert throughput(rows, "time/step_s") == pytest.approx(600 / 110)  # per whole-step second
+    assert rollout_clock(rows) == {0: 0.0, 1: 10.0, 2: 40.0}
 
 
 def test_the_report_pairs_held_out_prompts_and_plots_reward_against_rollout_time(tmp_path):

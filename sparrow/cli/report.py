@@ -25,7 +25,7 @@ class ReportConfig:
 
 def run(args) -> int:
     config = load_config(ReportConfig, args)
-    from sparrow.rl.report import write_report
+    from sparrow.report import write_report
 
     report = write_report([Path(d) for d in config.runs], Path(config.out))
     print(f"wrote {report}")
