@@ -179,11 +179,11 @@ def test_gradient_accumulation_over_micro_batches_equals_one_big_batch():
 def test_log_prob_pieces_of_a_whole_group_give_the_same_step(monkeypatch):
     """Recompute and monitor forwards without gradients may take a whole group (its prompt computed once) while the
     update keeps its micro-batches: same log-probs, acceptance, loss and weights as pieces of 2 rows."""
-    import sparrow.rl.step as step_module
+    import sparrow.rl.dense as dense_module
 
     sizes, metrics, weights = [], [], []
-    real = step_module.shared_prompt_pieces
-    monkeypatch.setattr(step_module, "shared_prompt_pieces",
+    real = dense_module.shared_prompt_pieces
+    monkeypatch.setattr(dense_module, "shared_prompt_pieces",
                         lambda batch, rows, size: sizes.append(size) or real(batch, rows, size))
     for log_prob in (None, 8):
         policy, backend = _setup()
@@ -205,11 +205,12 @@ def test_with_one_mini_batch_the_updates_forward_is_pi_old_and_the_step_equals_t
     """One optimizer step per GRPO step: pi_old, the TIS weights, the acceptance bounds and the monitor's dense
     logits come from the update's own forward, and the recompute runs none: the same loss, IS ratios, bounds, exact
     acceptance and new weights as with the recompute, one dense forward fewer per row."""
+    import sparrow.rl.dense as dense_module
     import sparrow.rl.step as step_module
 
     prompts, metrics, weights = [], [], []
-    real = step_module.piece_prompt
-    monkeypatch.setattr(step_module, "piece_prompt", lambda model, batch, piece: prompts.append(len(piece)) or
+    real = dense_module.piece_prompt
+    monkeypatch.setattr(dense_module, "piece_prompt", lambda model, batch, piece: prompts.append(len(piece)) or
                         real(model, batch, piece))
     for fused in (True, False):
         monkeypatch.setattr(step_module, "old_policy_from_update", lambda policy, cfg, fused=fused: fused)
