@@ -20,6 +20,7 @@ from sparrow.errors import SparrowError
 from sparrow.evaluation import evaluate, interval_text
 from sparrow.io import append_jsonl
 from sparrow.lora import attach_adapter, base_parameters
+from sparrow.report import write_report
 from sparrow.rewards.scoring import check_reward_functions
 from sparrow.typed_config import to_nested
 
@@ -28,7 +29,6 @@ from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_s
 from .config import TrainConfig
 from .controllers import AdaptiveSchedule, FixedSchedule, SwitchSchedule
 from .distill import Distiller
-from .report import write_report
 from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
 from .step import Policy, run_step
 from .step_metrics import step_metrics
@@ -96,6 +96,29 @@ def _resume_point(config: TrainConfig, out: Path, data: dict, log) -> tuple[int,
     return found
 
 
+def _held_out(config: TrainConfig, rows: list, tokenizer, policy: Policy) -> list | None:
+    """The held-out examples (None without eval_data), after checking that the training and held-out prompts fit
+    the model's positions with max_new_tokens."""
+    held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
+                if config.eval.data is not None else None)
+    positions = getattr(policy.model.config, "max_position_embeddings", None)
+    for name, path, checked in (("data", config.data.path, rows), ("eval_data", config.eval.data, held_out or [])):
+        _check_lengths(checked, tokenizer, config.sampling.max_new_tokens, positions, name, path)
+    return held_out
+
+
+def _restore(resume_from, policy: Policy, backend, controller, adapter_optimizer, log) -> int:
+    """The step the run starts from: 0, or on resume the checkpoint's, with the policy, its optimizers and the
+    controller restored and the backend given the weights."""
+    if resume_from is None:
+        return 0
+    state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
+    controller.restore(state)
+    backend.sync_weights(policy.model)
+    log(f"resumed from {resume_from[1]} at step {state['step']}")
+    return state["step"]
+
+
 def _train(config: TrainConfig, log) -> list[dict]:
     run, grpo = config.run, config.grpo
     out = Path(run.output_dir)
@@ -116,21 +139,10 @@ def _train(config: TrainConfig, log) -> list[dict]:
             f"rollouts are the dense policy's own samples, so the TIS weights ({config.grpo.tis_mode}) are 1 and "
             "the reward check is off; the monitor reads each drafted token's acceptance (no teacher-forced pass)")
     try:
-        held_out = (load_examples(DataSpec(config.eval.data, config.data.prompt_field, config.data.answer_field))
-                    if config.eval.data is not None else None)
-        positions = getattr(policy.model.config, "max_position_embeddings", None)
-        for name, path, checked in (("data", config.data.path, rows),
-                                    ("eval_data", config.eval.data, held_out or [])):
-            _check_lengths(checked, tokenizer, config.sampling.max_new_tokens, positions, name, path)
+        held_out = _held_out(config, rows, tokenizer, policy)
         controller = _controller(config, policy, backend, examples, probes, tokenizer)
         adapter_optimizer = policy.distiller.optimizer if policy.distiller else None
-        start = 0
-        if resume_from is not None:
-            state = load_checkpoint(resume_from[1], policy.model, policy.optimizer, adapter_optimizer)
-            start = state["step"]
-            controller.restore(state)
-            backend.sync_weights(policy.model)
-            log(f"resumed from {resume_from[1]} at step {start}")
+        start = _restore(resume_from, policy, backend, controller, adapter_optimizer, log)
         from torch.utils.tensorboard import SummaryWriter
 
         board = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
