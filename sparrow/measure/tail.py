@@ -3,8 +3,9 @@
 The statistic that predicts stability is the 5th percentile of alpha per length bin, not the mean (SPEC 2).
 `tail_stats` describes each bin (count, mean, p1 / p5 / p50, share at 1, per-sequence minima) and the whole run
 (correlations with length, a Beta fit of the tail) for profiles and probes; `bin_tails` answers the training
-monitor's question, is a bin's 5th percentile above tau? Both group tokens with `_length_bins` and take quantiles
-with numpy's linear interpolation (`np.quantile`).
+monitor's question, is a bin's 5th percentile above tau? Both group tokens with `length_bins` and take quantiles
+with numpy's linear interpolation (`np.quantile`); `by_bin` groups values by the same bins (the adaptive schedule's
+and TRL's monitor's).
 
 The q-quantile of n i.i.d. tokens lies between the order statistics x_(l) and x_(u), where l and u are the
 a/2 and 1 - a/2 quantiles of Binomial(n, q) (the count of tokens below the true quantile): a confidence
@@ -81,7 +82,7 @@ def bin_tails(alpha, positions, bin_size: int, tau: float, q: float = 0.05,
     """Per non-empty bin of `positions` (cached length of each token), the tail of `alpha` against tau."""
     alpha = np.asarray(alpha, dtype=np.float64)
     out = []
-    for b, members in _length_bins(np.asarray(positions) // bin_size):
+    for b, members in length_bins(np.asarray(positions) // bin_size):
         values = alpha[members]
         low, p5, high = quantile_interval(values, q, confidence)
         verdict = "below" if high < tau else "above" if low >= tau else "undecided"
@@ -105,7 +106,7 @@ def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False, sequence
     a, pos, seq = _tail_input(alpha, positions, bin_size, sequences)
     bin_size = int(bin_size)
     rows = []
-    for k, members in _length_bins(torch.div(pos, bin_size, rounding_mode="floor").numpy()):
+    for k, members in length_bins(torch.div(pos, bin_size, rounding_mode="floor").numpy()):
         index = torch.from_numpy(members)
         stats_k = _sorted_stats(torch.sort(a[index], stable=True).values)
         if seq is not None:
@@ -129,11 +130,18 @@ def tail_stats(alpha, positions, bin_size: int, fit_beta: bool = False, sequence
     return out
 
 
-def _length_bins(bins: np.ndarray) -> list[tuple[int, np.ndarray]]:
+def length_bins(bins: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Each non-empty bin index of the tokens, ascending, with the indices of its tokens in their original order."""
     order = np.argsort(bins, kind="stable")
     ids, starts = np.unique(bins[order], return_index=True)
     return list(zip(ids.tolist(), np.split(order, starts[1:])))
+
+
+def by_bin(alpha, positions, bin_size: int) -> dict[int, np.ndarray]:
+    """{bin index: the values of `alpha` whose position (cached length) falls in it}, bins ascending, each bin's
+    values in their original order."""
+    alpha = np.asarray(alpha)
+    return {b: alpha[members] for b, members in length_bins(np.asarray(positions) // bin_size)}
 
 
 def _tail_input(alpha, positions, bin_size, sequences) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

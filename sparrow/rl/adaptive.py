@@ -196,9 +196,3 @@ def cheaper_tails(state: AdaptiveState, cheaper: dict[int, np.ndarray], min_toke
             low, p5, _ = quantile_interval(values)
             out[b] = (float(p5), float(low))
     return out
-
-
-def by_bin(alpha: np.ndarray, positions: np.ndarray, bin_size: int) -> dict[int, np.ndarray]:
-    """{bin index: the acceptance values of the tokens whose cached length falls in it}."""
-    bins = np.asarray(positions) // bin_size
-    return {int(b): np.asarray(alpha)[bins == b] for b in np.unique(bins)}

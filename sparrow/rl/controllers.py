@@ -14,9 +14,10 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from sparrow.measure.tail import by_bin
 from sparrow.schedules import Schedule
 
-from .adaptive import AdaptiveState, by_bin, cheaper_tails, current_tails, update
+from .adaptive import AdaptiveState, cheaper_tails, current_tails, update
 from .config import AdaptiveSection, TrainConfig
 from .probes import SwitchState, observe_probe, probe
 from .step import Policy, StepBatch

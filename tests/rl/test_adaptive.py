@@ -4,7 +4,8 @@ never below the always-kept pages nor above the covering rung, and its state rou
 import numpy as np
 import pytest
 
-from sparrow.rl.adaptive import AdaptiveState, by_bin, ladder, start_state, update
+from sparrow.measure.tail import by_bin
+from sparrow.rl.adaptive import AdaptiveState, ladder, start_state, update
 from sparrow.schedules import DENSE, const, parse_schedule
 
 TAU, MARGIN = 0.8, 0.02
