@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json, require_file
 
@@ -183,7 +184,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-DEFAULT_KEPT_PAGES = 3  # SparseConfig's default always-kept pages: 1 sink + 2 recent (a test holds them equal)
+DEFAULT_KEPT_PAGES = SparseConfig().always_kept_pages  # the default SparseConfig's sink + recent pages
 
 
 def parse_schedule(spec: str, page_size: int = 16,

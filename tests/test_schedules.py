@@ -337,9 +337,6 @@ def test_cli_errors(capsys):
     assert "budget 100 is not a positive multiple of the page size 16" in capsys.readouterr().err
 
 
-def test_the_default_kept_pages_are_sparse_configs_sink_and_recent_pages():
-    from sparrow.attention import SparseConfig
-
-    assert schedules.DEFAULT_KEPT_PAGES == SparseConfig().always_kept_pages == 3
+def test_budgets_must_hold_the_default_sparse_configs_always_kept_pages():
     with pytest.raises(SparrowError, match="always-kept"):
         schedules.parse_schedule("const:32")  # two pages of 16 cannot hold the three kept ones
