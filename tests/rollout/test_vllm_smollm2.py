@@ -39,3 +39,26 @@ def test_smollm2_sparse_samples_teacher_force_to_vllms_log_probs(landmark):
         total += diff.numel()
     assert min(len(c.prompt_token_ids) for c in rollouts) > 1900
     assert close / total >= 0.99, f"{close}/{total} tokens within 1e-3"
+
+
+def test_smollm2_exact_mode_in_vllm_returns_dense_greedy_tokens():
+    """Exact mode inside vLLM on the real model: greedy, drafts at const:256 over 2-3K-token passkey prompts, the
+    tokens equal vLLM's dense greedy decoding (a float flip between the verification's multi-token forward and a
+    one-token step would show as a late first difference), and most tokens are accepted drafts."""
+    from sparrow.rollout.vllm_backend import VLLMBackend, model_directory
+    from sparrow.schedules import DENSE
+
+    model, tok = load_model("smollm2-135m")
+    prompts = [make_prompts(1, n, seed, tok)[0]["prompt"] for seed, n in ((0, 3000), (1, 2000))]
+    greedy = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for drafts in (None, 3):
+        backend = VLLMBackend(model_directory("smollm2-135m"), tok, SparseConfig(), max_model_len=4096,
+                              kv_cache_gib=2, draft_tokens=drafts, log=lambda _: None)
+        try:
+            outputs[drafts] = backend.generate(prompts, greedy, DENSE if drafts is None else const(256),
+                                               draft_tokens=drafts)
+        finally:
+            backend.close()
+    assert [c.token_ids for c in outputs[3]] == [c.token_ids for c in outputs[None]]
+    assert sum(sum(c.drafted) for c in outputs[3]) > 0.5 * sum(len(c.token_ids) for c in outputs[3])
