@@ -55,7 +55,7 @@ EXPECTED = {
 }
 # The release keys bins by ceil(cached_len / 16) pages, 125 pages a bin: bin i starts at 2000 i - 15.
 STARTS = (0,) + tuple(2000 * i - 15 for i in range(1, 20))
-JSON_PATH = Path(schedules.__file__).parent / "data" / "sparrow_schedules.json"
+JSON_PATH = Path(schedules.__file__).parents[1] / "data" / "sparrow_schedules.json"
 CLI_DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
 

@@ -175,21 +175,21 @@ def test_every_reader_of_a_schedule_file_goes_through_the_one_check(tmp_path, mo
     """The command line's --schedule FILE, `schedule show`, cost, calibrate (exact mode parses each profiled schedule,
     here one given as a file), the vLLM plugin's follower and TRL's run-time schedule (the plugin's report) each call
     check_schedule_file."""
-    from sparrow import schedules
     from sparrow.cli import main
     from sparrow.integrations import schedule_file
+    from sparrow.schedules import files as schedule_files
     from sparrow.integrations.config import SparrowConfig
     from sparrow.vllm.state import PluginState
     from sparrow.vllm.status import write_status
 
     seen = []
-    original = schedules.check_schedule_file
+    original = schedule_files.check_schedule_file
 
     def spy(data, where, *args, **kwargs):
         seen.append(where)
         return original(data, where, *args, **kwargs)
 
-    monkeypatch.setattr(schedules, "check_schedule_file", spy)
+    monkeypatch.setattr(schedule_files, "check_schedule_file", spy)
     monkeypatch.setattr(schedule_file, "check_schedule_file", spy)
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     write_schedule_json(const(64), good, version=1)
