@@ -13,6 +13,12 @@ One file, two roles:
 * the *worker* (``python harness.py --worker REQUEST_FD REPLY_FD PROGRAM``) executes the program as the module
   ``solution`` and answers the judge's requests (call, getattr, getitem, iter, next, ...), one JSON line each.
 
+The worker is not math.py's worker pool, and cannot be: that pool keeps a few trusted checker processes across
+calls, each request self-contained (a completion and its answer) and each worker killed and replaced past its
+timeout. This worker runs one untrusted program for one job, inside the sandbox, and holds the program's live
+objects between requests (the handles the judge's proxies name); its replies are read as hostile input, and a
+worker reused for another job would carry one program's state into the next program's tests.
+
 A test is a top-level ``assert`` of the test block together with the statements before it (imports, helper
 definitions); statements after the last assert join the last test; a block without top-level asserts is one test.
 The judge protects itself from the worker: it is not dumpable (no /proc access to its memory or files), as pid 1
