@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparrow.huge_pages import zeros
@@ -90,18 +91,26 @@ class KVCache:
             for store, mark in zip(self.landmarks[layer], self.sparse.page_landmark.build(page_keys)):
                 store[rows, :, :full] = mark
 
-    def begin_step(self, budget_pages: torch.Tensor | None) -> DecodeStep:
-        """Prepare a decode step that appends one token to every row (lengths grow after the forward)."""
+    def begin_step(self, budget_pages: torch.Tensor | None, known: np.ndarray | None = None,
+                   known_pages: np.ndarray | None = None) -> DecodeStep:
+        """Prepare a decode step that appends one token to every row (lengths grow after the forward). `known`: the
+        rows' lengths as the host already knows them (and `known_pages` their budget pages, None when dense), so
+        that the step's sizes are found without reading the device; otherwise they are read from it once."""
         ps = self.sparse.page_size
         total = self.lengths + 1
         n_pages = (total + ps - 1) // ps
         kv_heads = self.keys[0].shape[1]
         row_head = torch.arange(self.rows * kv_heads, device=total.device).view(self.rows, kv_heads)
         write_index = (row_head * self.capacity + self.lengths[:, None]).flatten()
-        filled = torch.nonzero(total % ps == 0).flatten()
         chosen = n_pages if budget_pages is None else torch.minimum(budget_pages, n_pages)
-        span, used, selected, sparse = torch.stack(  # one device read
-            [total.max(), n_pages.max(), chosen.max(), (chosen < n_pages).any().long()]).tolist()
+        if known is None:
+            filled = torch.nonzero(total % ps == 0).flatten()
+            span, used, selected, sparse = torch.stack(  # one device read
+                [total.max(), n_pages.max(), chosen.max(), (chosen < n_pages).any().long()]).tolist()
+        else:
+            span, used, selected, sparse, filled = _step_sizes(np.asarray(known, dtype=np.int64) + 1, known_pages,
+                                                               ps)
+            filled = torch.as_tensor(filled, device=total.device)
         dense_mask = (torch.arange(span, device=total.device) < total[:, None]).view(self.rows, 1, 1, span)
         return DecodeStep(total, n_pages, budget_pages, bool(sparse), write_index, filled, n_pages[filled] - 1,
                           dense_mask, used, selected)
@@ -168,6 +177,17 @@ class KVCache:
         copy.landmarks = [[m.clone() for m in lm] for lm in self.landmarks]
         copy.lengths = self.lengths.clone()
         return copy
+
+
+def _step_sizes(total: np.ndarray, budget_pages: np.ndarray | None,
+                ps: int) -> tuple[int, int, int, bool, np.ndarray]:
+    """`begin_step`'s sizes from the rows' lengths `total` (the new token counted) on the host: the longest row, the
+    most pages a row holds, the most it attends, whether any attends fewer than it holds, the rows [n] whose page
+    the new token completes."""
+    n_pages = (total + ps - 1) // ps
+    chosen = n_pages if budget_pages is None else np.minimum(budget_pages, n_pages)
+    return (int(total.max()), int(n_pages.max()), int(chosen.max()), bool((chosen < n_pages).any()),
+            np.flatnonzero(total % ps == 0))
 
 
 def compaction_order(kept: list[int]) -> list[int]:

@@ -14,6 +14,7 @@ import contextlib
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -35,8 +36,8 @@ from .finite import check_logits_finite
 from .fused_layers import FusedLayers
 from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
-from .sampling import GumbelNoise, SamplingParams, StepSample, sample, sequence_key
-from .sequence import Completion
+from .sampling import GumbelNoise, HostSample, SamplingParams, sample, sequence_key
+from .sequence import Completion, cached_lengths
 from .stops import eos_ids, final_text, finish_reason
 from .timing import PhaseClock
 from .waves import Wave, plan_waves
@@ -69,6 +70,9 @@ class RolloutEngine:
         self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
         self.layers = FusedLayers(model)  # decoder layers in a few ops for decode steps, the same span
         cpu_kernel.usable(param)  # loads the kernel where it applies: a first build (~30 s) here, not in generate
+        # a prepared 4D mask: transformers returns it as it is instead of building one (and reading the device to
+        # look for packed sequences); the engine's attention modes do not read it
+        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @contextlib.contextmanager
     def frozen_weights(self):
@@ -99,8 +103,8 @@ class RolloutEngine:
 
     def _forward(self, input_ids, position_ids, ctx: AttentionContext, keep: int = 1) -> torch.Tensor:
         """Logits of the last `keep` positions, float32 [B, V] (keep = 1) or [B, keep, V]."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep,
-                         **{CONTEXT_KEY: ctx})
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self.no_mask,
+                         use_cache=False, logits_to_keep=keep, **{CONTEXT_KEY: ctx})
         return out.logits[:, -1].float() if keep == 1 else out.logits.float()
 
     @torch.no_grad()
@@ -114,13 +118,16 @@ class RolloutEngine:
         return logits
 
     @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor,
-                    schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed one token per row; returns (next-token logits [B, V], KV budget in tokens per row [B])."""
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor, schedule: Schedule,
+                    lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per row; returns (next-token logits [B, V], KV budget in tokens per row [B]). `lengths`:
+        the rows' cached lengths as the host knows them, so that the step does not read them from the device."""
         total = cache.lengths + 1
         budget = kv_budgets(schedule, total)
-        pages = None if schedule.is_dense else budget // self.sparse.page_size
-        ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages))
+        ps = self.sparse.page_size
+        pages = None if schedule.is_dense else budget // ps
+        known_pages = None if schedule.is_dense or lengths is None else kv_budgets(schedule, lengths + 1) // ps
+        ctx = AttentionContext("decode", self.sparse, cache=cache, step=cache.begin_step(pages, lengths, known_pages))
         logits = self._forward(tokens[:, None], cache.lengths[:, None], ctx)
         cache.lengths += 1
         return logits, budget
@@ -174,12 +181,18 @@ class RolloutEngine:
                             device=self.device)
 
     def noise(self, keys: torch.Tensor, live: list[Completion], sampling: SamplingParams,
-              vocab: int, ahead: int = 0) -> GumbelNoise | None:
-        """The Gumbel noise of each live sequence's next token (`ahead` tokens further on); None if greedy."""
+              vocab: int, ahead: int = 0, positions: torch.Tensor | None = None) -> GumbelNoise | None:
+        """The Gumbel noise of each live sequence's next token (`ahead` tokens further on); None if greedy.
+        `positions`: the sequences' generated lengths kept on the device (no list copied to it each step)."""
         if sampling.greedy:
             return None
-        positions = torch.tensor([len(seq.token_ids) + ahead for seq in live], device=self.device)
+        if positions is None:
+            positions = self.positions(live, ahead)
         return GumbelNoise(keys, positions, vocab)
+
+    def positions(self, live: list[Completion], ahead: int = 0) -> torch.Tensor:
+        """Each sequence's generated tokens (plus `ahead`) [rows] on the engine's device."""
+        return torch.tensor([len(seq.token_ids) + ahead for seq in live], device=self.device)
 
     def _generate_wave(self, wave: Wave, keys: torch.Tensor, sampling: SamplingParams, schedule: Schedule, bar,
                        draft_tokens: int | None) -> list[Completion]:
@@ -201,19 +214,25 @@ class RolloutEngine:
         if draft_tokens is not None:
             exact_wave(self, cache, list(seqs), keys, logits, sampling, schedule, draft_tokens, bar)
             return
-        budget = cache.lengths.clone()
         live = list(seqs)
+        budget = cached_lengths(live)  # the prefill's records are dense: the cached length
+        positions = None if sampling.greedy else self.positions(live)
         clock = self.phases.now()
         while True:
-            step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1]))
-            check_logits_finite(step, logits, live, sampling)
-            self.record(live, step, budget, sampling)
+            step = sample(logits, sampling, self.noise(keys, live, sampling, logits.shape[-1], positions=positions))
+            host = HostSample.read(step)  # the step's one read of the device
+            check_logits_finite(host, logits, live, sampling)
+            self.record(live, host, budget, sampling)
             bar.update(len(live) + sum(sampling.max_new_tokens - len(seq.token_ids) for seq in live if seq.finished))
-            live, (keys, step.tokens) = self.drop_finished(cache, live, keys, step.tokens)
+            if positions is not None:
+                positions = positions + 1
+            live, (keys, step.tokens, positions) = self.drop_finished(cache, live, keys, step.tokens, positions)
             if not live:
                 break
             clock = self.phases.lap("sample", clock)
-            logits, budget = self.decode_step(cache, step.tokens, schedule)
+            total = cached_lengths(live)  # counting the token this step feeds
+            logits, _ = self.decode_step(cache, step.tokens, schedule, total - 1)
+            budget = kv_budgets(schedule, total)
             clock = self.phases.lap("decode", clock)
         self.phases.lap("sample", clock)
 
@@ -226,7 +245,7 @@ class RolloutEngine:
             return [seq for seq in live if not seq.finished], list(rows)
         keep = cache.keep(keep)
         index = torch.tensor(keep, device=self.device)
-        return [live[r] for r in keep], [t.index_select(0, index) for t in rows]
+        return [live[r] for r in keep], [None if t is None else t.index_select(0, index) for t in rows]
 
     def _prefill_wave(self, cache: KVCache, wave: Wave) -> torch.Tensor:
         """Prefill each prompt of the wave into its rows; next-token logits per row [rows, V]."""
@@ -236,21 +255,23 @@ class RolloutEngine:
             logits.append(self.prefill(cache, ids, rows).expand(wave.samples, -1))
         return torch.cat(logits)
 
-    def record(self, live: list[Completion], step: StepSample, budget: torch.Tensor, sampling: SamplingParams):
-        """Append each row's sampled token and its records to `live[row]`; mark the sequences that finish."""
-        tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
-        top_ids, top_lps, budget = step.top_ids.tolist(), step.top_logprobs.tolist(), budget.tolist()
+    def record(self, live: list[Completion], step: HostSample, budget, sampling: SamplingParams):
+        """Append each row's sampled token and its records (`step`, read from the device; `budget` the KV budget
+        of each row, integers) to `live[row]`; mark the sequences that finish."""
         for r, seq in enumerate(live):
-            seq.token_ids.append(tokens[r])
-            seq.logprobs.append(logprobs[r])
-            seq.top_token_ids.append(top_ids[r])
-            seq.top_logprobs.append(top_lps[r])
-            seq.kv_budget.append(budget[r])
+            seq.token_ids.append(step.tokens[r])
+            seq.logprobs.append(step.logprobs[r])
+            seq.top_token_ids.append(step.top_ids[r])
+            seq.top_logprobs.append(step.top_logprobs[r])
+            seq.kv_budget.append(int(budget[r]))
             seq.finish_reason = finish_reason(seq, self.eos_ids, sampling, self.tokenizer)
 
 
-def kv_budgets(schedule: Schedule, total: torch.Tensor) -> torch.Tensor:
-    """The KV budget a decode step records for rows with `total` cached tokens (counting the new one): the
-    schedule's budget, or the cached length itself when dense."""
-    return total.clone() if schedule.is_dense else schedule.budget_for(total)
+def kv_budgets(schedule: Schedule, total: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """The KV budget a decode step records for rows with `total` cached tokens (counting the new one; a tensor, or
+    a numpy array on the host): the schedule's budget, or the cached length itself when dense."""
+    if schedule.is_dense:
+        return total.copy() if isinstance(total, np.ndarray) else total.clone()
+    return schedule.budget_for(total)
+
 

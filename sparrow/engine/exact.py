@@ -28,9 +28,9 @@ from sparrow.metrics import acceptance_rate
 from sparrow.schedules import Schedule
 
 from .finite import check_logits_finite
-from .sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, GumbelNoise, SamplingParams, StepSample, choose, gumbel_noise,
-                       residual_rule, sample, uniforms)
-from .sequence import Completion
+from .sampling import (ACCEPT_STREAM, RESIDUAL_STREAM, GumbelNoise, HostSample, SamplingParams, StepSample, choose,
+                       gumbel_noise, residual_rule, sample, uniforms)
+from .sequence import Completion, cached_lengths
 
 MAX_DRAFT_TOKENS = 64
 AUTO = 0  # draft_tokens 0: each round's draft length chosen from what the wave measured (DraftLength)
@@ -99,10 +99,9 @@ class DraftLength:
             return AUTO_START
         return choose_draft_length(self.accepted / self.judged, self.draft_s, self.verify_s)
 
-    def observe(self, count: int, draft_s: float, verify_s: float, accepted: torch.Tensor) -> None:
+    def observe(self, count: int, draft_s: float, verify_s: float, took: list[int]) -> None:
         if self.fixed or not count:
             return
-        took = accepted.tolist()
         self.accepted += sum(took)
         self.judged += sum(a + (a < count) for a in took)
         per_step = draft_s / count
@@ -117,8 +116,9 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
     sequence of `live` is finished. `engine` is the RolloutEngine whose cache rows `live` occupies."""
     vocab = logits.shape[-1]
     step = sample(logits, sampling, engine.noise(keys, live, sampling, vocab))
-    check_logits_finite(step, logits, live, sampling)
-    engine.record(live, step, cache.lengths.clone(), sampling)
+    host = HostSample.read(step)
+    check_logits_finite(host, logits, live, sampling)
+    engine.record(live, host, cached_lengths(live), sampling)
     for seq in live:
         seq.drafted.append(False)
         seq.draft_acceptance.append(None)
@@ -136,7 +136,8 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         noise = [engine.noise(keys, live, sampling, vocab, ahead=j) for j in range(count + 1)]
         start = cache.lengths.clone()
         began = clock
-        drafts, draft_logits = _draft(engine, cache, pending, sampling, schedule, noise[:count])
+        drafts, draft_logits = _draft(engine, cache, pending, sampling, schedule, noise[:count],
+                                      cached_lengths(live) - 1)
         clock = engine.phases.lap("decode", clock)
         drafted_s = clock - began
         cache.lengths = start.clone()
@@ -158,20 +159,21 @@ def exact_wave(engine, cache, live: list[Completion], keys: torch.Tensor, logits
         tokens = steps.tokens  # the committed token at each position [rows, count+1], valid up to `accepted`
         alphas = (acceptance_rate(drafted, dense[:, :count], sampling.logprob_temperature)
                   if count else dense.new_zeros(rows, 0))
-        length.observe(count, drafted_s, verify_s, accepted)
-        _commit(engine, live, steps, dense, accepted, alphas, start, sampling, bar)
+        took = _commit(engine, live, steps, dense, accepted, alphas, sampling, bar)
+        length.observe(count, drafted_s, verify_s, took)
         cache.lengths = start + 1 + accepted
         pending = tokens.gather(1, accepted[:, None]).squeeze(1)
         clock = engine.phases.lap("sample", clock)
 
 
 def _draft(engine, cache, pending: torch.Tensor, sampling: SamplingParams, schedule: Schedule,
-           noise: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`len(noise)` sparse decode steps from `pending`: the drafted tokens [rows, K] and each step's logits."""
+           noise: list[torch.Tensor | None], lengths) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`len(noise)` sparse decode steps from `pending` (the rows' cached `lengths` before, as the host knows them):
+    the drafted tokens [rows, K] and each step's logits."""
     tokens, logits = [], []
     token = pending
-    for step_noise in noise:
-        step_logits, _ = engine.decode_step(cache, token, schedule)
+    for j, step_noise in enumerate(noise):
+        step_logits, _ = engine.decode_step(cache, token, schedule, lengths + j)
         token = choose(step_logits / sampling.logprob_temperature, sampling, step_noise)
         tokens.append(token)
         logits.append(step_logits)
@@ -202,11 +204,16 @@ def _judge_residual(keys: torch.Tensor, live: list[Completion], sampling: Sampli
 
 
 def _commit(engine, live: list[Completion], steps: StepSample, dense: torch.Tensor, accepted: torch.Tensor,
-            alphas: torch.Tensor, start: torch.Tensor, sampling: SamplingParams, bar) -> None:
+            alphas: torch.Tensor, sampling: SamplingParams, bar) -> list[int]:
     """Record, per row, the dense tokens at positions 0..accepted[row] (stopping where the sequence finishes);
-    `steps` holds the dense draws at every position [rows, count+1, ...]."""
+    `steps` holds the dense draws at every position [rows, count+1, ...]. Reads the device twice a round: the
+    accepted lengths with the acceptances, and every position's draws. Returns the accepted drafts per row."""
     count = alphas.shape[1]
-    accepted_list, alpha_list = accepted.tolist(), alphas.tolist()
+    judged = torch.cat([accepted[:, None].to(torch.float64), alphas.to(torch.float64)], dim=1).tolist()
+    accepted_list, alpha_list = [int(r[0]) for r in judged], [r[1:] for r in judged]
+    span = steps.tokens.shape[1]
+    host = HostSample.read(StepSample(*(t.flatten(0, 1) for t in (steps.tokens, steps.logprobs, steps.top_ids,
+                                                                   steps.top_logprobs, steps.finite))))
     for seq, took in zip(live, accepted_list):
         seq.verifies += 1
         seq.rejections += took < count
@@ -214,16 +221,19 @@ def _commit(engine, live: list[Completion], steps: StepSample, dense: torch.Tens
         rows = [r for r, seq in enumerate(live) if j <= accepted_list[r] and not seq.finished]
         if not rows:
             break
-        index = torch.tensor(rows, device=engine.device)
-        part = StepSample(*(t[:, j].index_select(0, index) for t in (steps.tokens, steps.logprobs, steps.top_ids,
-                                                                     steps.top_logprobs, steps.finite)))
+        at = [r * span + j for r in rows]
+        part = HostSample(*([field[i] for i in at] for field in (host.tokens, host.logprobs, host.top_ids,
+                                                                 host.top_logprobs, host.finite)))
         subset = [live[r] for r in rows]
-        check_logits_finite(part, dense[:, j].index_select(0, index), subset, sampling)
-        engine.record(subset, part, (start + 1 + j).index_select(0, index), sampling)
+        if not all(part.finite):
+            check_logits_finite(part, dense[:, j].index_select(0, torch.tensor(rows, device=engine.device)), subset,
+                                sampling)
+        engine.record(subset, part, cached_lengths(subset), sampling)
         for r, seq in zip(rows, subset):
             seq.drafted.append(j < accepted_list[r])
             seq.draft_acceptance.append(alpha_list[r][j] if j < count else None)
         bar.update(len(rows))
+    return accepted_list
 
 
 def exact_summary(completions: list[Completion]) -> dict[str, float]:

@@ -7,16 +7,17 @@ import torch
 
 from sparrow.errors import SparrowError
 
-from .sampling import SamplingParams, StepSample
+from .sampling import HostSample, SamplingParams
 from .sequence import Completion
 
 
-def check_logits_finite(step: StepSample, logits: torch.Tensor, live: list[Completion],
+def check_logits_finite(host: HostSample, logits: torch.Tensor, live: list[Completion],
                         sampling: SamplingParams) -> None:
-    """Stop with a message naming the first row of `live` whose logits (after temperature) were not all finite."""
-    if bool(step.finite.all()):
+    """Stop with a message naming the first row of `live` whose logits (after temperature) were not all finite
+    (`host.finite`, read with the step's tokens: the device is read again only to describe a failure)."""
+    if all(host.finite):
         return
-    bad = (~step.finite).nonzero().flatten().tolist()
+    bad = [row for row, finite in enumerate(host.finite) if not finite]
     row, seq = bad[0], live[bad[0]]
     token = len(seq.token_ids) + 1
     where = (f"prompt {seq.prompt_index} (key {seq.prompt_key}), sample {seq.sample_index}, generated token {token} "

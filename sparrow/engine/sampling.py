@@ -209,6 +209,29 @@ class StepSample:
     finite: torch.Tensor  # [B] bool
 
 
+@dataclass
+class HostSample:
+    """A `StepSample` read to the host in one transfer: per row, the token, its log-prob, the top ids and
+    log-probs as Python numbers, and whether its logits were finite."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    finite: list[bool]
+
+    @staticmethod
+    def read(step: StepSample) -> HostSample:
+        """`step`'s fields packed into one float64 tensor [B, 3 + 2K] and read with one `tolist`: ids and float32
+        values are exact in float64, so the numbers are those each field's own read would give."""
+        k = step.top_ids.shape[1]
+        columns = [step.tokens[:, None], step.logprobs[:, None], step.finite[:, None], step.top_ids, step.top_logprobs]
+        rows = torch.cat([c.to(torch.float64) for c in columns], dim=1).tolist()
+        return HostSample([int(r[0]) for r in rows], [r[1] for r in rows],
+                          [[int(i) for i in r[3:3 + k]] for r in rows], [r[3 + k:] for r in rows],
+                          [r[2] == 1.0 for r in rows])
+
+
 def truncate(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Scaled logits [B, V] with the tokens outside top-k and the top-p nucleus set to -inf."""
     allowed = top_k(scaled, params)

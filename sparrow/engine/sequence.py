@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .sampling import SamplingParams
 
 
@@ -57,3 +59,9 @@ class Completion:
             for key in ("verifies", "rejections", "drafted", "draft_acceptance"):
                 record.pop(key)
         return record
+
+
+def cached_lengths(live: list[Completion]) -> np.ndarray:
+    """Each row's cached length once its last generated token is fed (the prompt's before any), as the host
+    knows it."""
+    return np.array([len(seq.prompt_token_ids) + len(seq.token_ids) for seq in live], dtype=np.int64)
