@@ -252,6 +252,30 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
     if min_retention is not None:
         floor = schedules[retention_floor(profile, min_retention, page_size)]
         schedules = {n: schedules[n] for n in eligible_schedules(profile, min_retention)}
+    choices, tails = _choose(schedules, need, min_tokens, page_size, kept, missed, unreached)
+    budgets, running = [], 0
+    for i, choice in enumerate(choices):
+        least = 0 if floor is None else offered_budget(floor, choice.start, choice.end, page_size)
+        final = max(running, choice.budget, least)
+        bound = binding_criteria(choice.budget, *tails[i], least, running, final)
+        choices[i], running = replace(choice, bound_by=bound), final
+        budgets.append(running)
+    starts, values = [], []
+    for i, (choice, budget) in enumerate(zip(choices, budgets)):
+        if values and values[-1] == budget:
+            continue
+        starts.append(0 if i == 0 else choice.start)
+        values.append(budget)
+    schedule = Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values))
+    schedule.validate(page_size, kept)  # what every --schedule option will check: refused here, not there
+    return schedule, choices
+
+
+def _choose(schedules: dict, need: float, min_tokens: int, page_size: int, kept: int, missed: dict,
+            unreached: str) -> tuple[list[BinChoice], list[tuple[bool, bool]]]:
+    """Per bin, the cheapest trusted budget reaching `need` (or dense, with `unreached` "dense"), and per choice
+    (whether a cheaper profiled budget missed tau, whether none reached it); a SparrowError naming every bin
+    that none reaches otherwise."""
     by_bin: dict[int, list[tuple[int, float, int, str]]] = {}
     edges: dict[int, tuple[int, int]] = {}
     for name, spec in schedules.items():
@@ -259,7 +283,7 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
             budget = max(offered_budget(spec, b["start"], b["end"], page_size), kept * page_size)
             by_bin.setdefault(b["bin"], []).append((budget, b["p5"], b["count"], name))
             edges[b["bin"]] = (b["start"], b["end"])
-    choices, failures, tails = [], [], []  # per choice: (a cheaper profiled budget missed tau, none reached it)
+    choices, failures, tails = [], [], []
     for k in sorted(by_bin):
         start, end = edges[k]
         trusted = [c for c in by_bin[k] if c[2] >= min_tokens]
@@ -284,22 +308,7 @@ def calibrate(profile: dict, tau: float, margin: float = 0.0, min_tokens: int = 
                             "prompts or samples, or lower --min-tokens")
     if failures:
         raise SparrowError("no profiled budget reaches tau in these bins:\n  " + "\n  ".join(failures))
-    budgets, running = [], 0
-    for i, choice in enumerate(choices):
-        least = 0 if floor is None else offered_budget(floor, choice.start, choice.end, page_size)
-        final = max(running, choice.budget, least)
-        bound = binding_criteria(choice.budget, *tails[i], least, running, final)
-        choices[i], running = replace(choice, bound_by=bound), final
-        budgets.append(running)
-    starts, values = [], []
-    for i, (choice, budget) in enumerate(zip(choices, budgets)):
-        if values and values[-1] == budget:
-            continue
-        starts.append(0 if i == 0 else choice.start)
-        values.append(budget)
-    schedule = Schedule(f"calibrated-{tau:g}", tuple(starts), tuple(values))
-    schedule.validate(page_size, kept)  # what every --schedule option will check: refused here, not there
-    return schedule, choices
+    return choices, tails
 
 
 def per_length_acceptance(profile: dict, name: str) -> list[tuple[int, float]]:
