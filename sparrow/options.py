@@ -247,7 +247,7 @@ class RolloutSection:
                          self.max_batch_size, lora=lora, adapter=getattr(model_section, "adapter", None))
         return create_backend(model, tokenizer, spec, self.workers, self.ray_address, log=log,
                               cpus_per_worker=self.cpus_per_worker, wire_dtype=wire_dtype, backend=self.backend,
-                              draft_tokens=sparse.draft)
+                              draft_tokens=getattr(sparse, "draft", None))  # profile's section has no schedule
 
 
 @dataclass
