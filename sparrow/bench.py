@@ -173,6 +173,8 @@ def machine_info(device: torch.device) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu_flags"] = cpu_flags(("avx", "amx", "fma"))  # which kernels ran: AVX2 and AVX-512 CPUs differ
     return info
 
 
