@@ -124,7 +124,8 @@ def identity_child(schedule: str, draft_tokens: int) -> dict:
 
 
 def predicted(schedule: str, draft_tokens: int, acceptance: float, context: int, batch: int, gpu: str) -> dict:
-    from sparrow.measure.cost_model import exact_decode, hardware
+    from sparrow.measure.cost_model import hardware
+    from sparrow.measure.exact_cost import exact_decode
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
 

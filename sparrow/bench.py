@@ -20,7 +20,8 @@ from sparrow.attention.interface import base_model
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine.sampling import sample
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import best_draft_tokens, compare, exact_decode
+from sparrow.measure.cost_model import compare
+from sparrow.measure.exact_cost import best_draft_tokens, exact_decode
 from sparrow.schedules import DENSE, Schedule
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0, num_logprobs=20)

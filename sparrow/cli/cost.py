@@ -10,17 +10,9 @@ from sparrow.engine.exact import parse_draft_tokens
 from sparrow.errors import SparrowError
 from sparrow.io import require_file
 from sparrow.measure.calibration import per_length_acceptance, profiled_schedule
-from sparrow.measure.cost_model import (
-    DRAFTERS,
-    MAX_LENGTH,
-    best_draft_tokens,
-    check_trajectory,
-    compare,
-    equal_cost_constant,
-    exact_decode,
-    paper_cost,
-    training_step,
-)
+from sparrow.measure.cost_model import MAX_LENGTH, check_trajectory, compare, equal_cost_constant, paper_cost
+from sparrow.measure.exact_cost import DRAFTERS, best_draft_tokens, exact_decode
+from sparrow.measure.training_cost import training_step
 from sparrow.measure.profiling import read_profile
 from sparrow.model_shapes import model_dims
 from sparrow.options import SparseSection

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import best_draft_tokens
+from sparrow.measure.exact_cost import best_draft_tokens
 from sparrow.measure.retention import Retention
 from sparrow.schedules import Schedule, parse_schedule
 from sparrow.typed_config import short_repr
@@ -313,7 +313,7 @@ def _choose(schedules: dict, need: float, min_tokens: int, page_size: int, kept:
 
 def per_length_acceptance(profile: dict, name: str) -> list[tuple[int, float]]:
     """Schedule `name`'s mean alpha per bin of the profile as [(first cached length, mean)], ascending: what
-    `cost_model.exact_decode` takes as a per-length acceptance. Bins of generated positions are placed after the
+    `exact_cost.exact_decode` takes as a per-length acceptance. Bins of generated positions are placed after the
     profile's mean prompt; empty bins are left out (their neighbours' values reach over them)."""
     meta = profile.get("meta", {})
     offset = 0 if meta.get("length_origin", "total") == "total" else round(meta.get("prompt_tokens_mean", 0))
@@ -340,7 +340,7 @@ def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16,
                      bytes_per_param=2, bytes_per_kv=2) -> list[dict]:
     """Exact mode's predicted decode speedup for every profiled schedule, best first: each schedule's mean
     acceptance per bin of the profile stands for its drafts' per-token acceptance at those lengths, and the cost
-    model picks the draft length (`cost_model.best_draft_tokens`) at the profile's prompt and generation lengths.
+    model picks the draft length (`exact_cost.best_draft_tokens`) at the profile's prompt and generation lengths.
     In exact mode the budget only sets speed (rejected drafts cost time, never reward), so no tau applies."""
     meta = profile.get("meta", {})
     prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))

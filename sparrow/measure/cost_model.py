@@ -6,8 +6,9 @@ FLOPs the chip could have done in the time it takes to move it, plus the host ti
 count the weight reads (once for the whole batch), the K/V reads of the attended tokens and the landmark reads of
 sparse layers (per sequence), the projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the
 decode steps of `samples` sequences that share one prompt, plus one dense prefill of that prompt; `training_step`
-adds the update and the monitor of a whole GRPO step. `paper_cost` is the paper's printed approximation, kept for
-comparison; docs/cost-model.md derives both and lists where they differ.
+adds the update and the monitor of a whole GRPO step (training_cost.py), and exact mode's drafts and verifications
+are priced in exact_cost.py. `paper_cost` is the paper's printed approximation, kept for comparison;
+docs/cost-model.md derives both and lists where they differ.
 
 Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts are exact Python integers.
 """
@@ -15,7 +16,6 @@ Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts ar
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -24,11 +24,10 @@ import numpy as np
 
 from sparrow.attention.config import SparseConfig
 from sparrow.attention.landmarks import get_landmark
-from sparrow.measure.acceptance import monitored_rows
 from sparrow.errors import SparrowError
 from sparrow.model_shapes import ModelDims
 from sparrow.schedules import DENSE, Schedule, const
-from sparrow.typed_config import check_finite, check_int
+from sparrow.typed_config import check_int
 
 
 @dataclass(frozen=True)
@@ -301,54 +300,6 @@ def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, 
     }
 
 
-def training_step(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-                  monitor_every: int = 1, monitor_share: float = 1.0, page_size: int = 16, dense_layers: int = 2,
-                  landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> dict:
-    """A whole GRPO step of one group (`samples` completions of one prompt), dense rollouts against `schedule`'s:
-    the rollout (`trajectory_cost`), the update both pay, and the exact monitor only sparse rollouts pay.
-
-    The update runs the dense policy forward and backward over the group, the prompt once (its K/V shared by the
-    samples, no logits) and every completion against it (each token attending the tokens before it): three times
-    the forward's FLOPs, a backward costing two forwards. Thousands of tokens share each weight read, so it is
-    bound by arithmetic; its bytes are the weights read three times. The monitor teacher-forces the first
-    ceil(monitor_share * samples) completions through the sparse actor every `monitor_every`-th step, reusing the
-    update's prompt and dense logits: each completion token's forward, attending what it attended while
-    decoding and scoring the same landmarks (the acceptance itself, a few FLOPs per vocabulary entry, is left
-    out). `step_speedup` is the dense step's cost over the sparse step's (the monitor spread over its steps);
-    `step_speedup_limit` is what a free rollout and monitor would give: the update alone bounds the step."""
-    check_int("monitor_every", monitor_every, 1)
-    if not 0 < monitor_share <= 1:
-        raise SparrowError(f"monitor_share must be in (0, 1], got {monitor_share!r}")
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
-    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options)
-    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options)
-    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, page_size)
-    attn_per_pair = 4 * dims.heads * dims.head_dim
-    prompt_pairs = prompt_len * (prompt_len + 1) // 2
-    forward_proj = 2 * (dims.step_params - dims.vocab * dims.hidden) * prompt_len + 2 * dims.step_params * (
-        samples * gen_len)
-    forward_attn = attn_per_pair * dims.layers * (prompt_pairs + samples * sum_cached)
-    update = _cost(hw, weight_bytes=3 * dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
-                   proj_flops=3 * forward_proj, attn_flops=3 * forward_attn, score_flops=0, forwards=0)
-    rows = monitored_rows(samples, monitor_share)
-    sparse_layers = dims.layers - dense_layers
-    lm = get_landmark(landmark)
-    monitor = _cost(hw, weight_bytes=dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
-                    proj_flops=2 * dims.step_params * rows * gen_len,
-                    attn_flops=rows * attn_per_pair * (dense_layers * sum_cached + sparse_layers * sum_sparse),
-                    score_flops=rows * lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
-                    * sparse_layers * sum_scored, forwards=0)
-    dense_step = dense.cost + update.cost
-    sparse_step = sparse.cost + update.cost + monitor.cost / monitor_every
-    return {"rollout_speedup": dense.cost / sparse.cost, "update_cost": update.cost, "monitor_cost": monitor.cost,
-            "monitor_every": monitor_every, "monitor_rows": rows, "dense_step_cost": dense_step,
-            "sparse_step_cost": sparse_step, "dense_step_s": dense_step / hw.peak_flops,
-            "sparse_step_s": sparse_step / hw.peak_flops, "update_share": update.cost / dense_step,
-            "step_speedup": dense_step / sparse_step, "step_speedup_limit": dense_step / update.cost,
-            "update": dataclasses.asdict(update), "monitor": dataclasses.asdict(monitor)}
-
-
 def equal_cost_constant(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_lens: list[int], gen_len: int,
                         samples: int, page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid",
                         bytes_per_param=2, bytes_per_kv=2) -> tuple[int, float]:
@@ -395,85 +346,3 @@ def paper_cost(dims: ModelDims, hw: Hardware, budget: int, prompt_len: int, gen_
                + 2 * I * L_in * D * L_out + I * N * D * L_out ** 2 / (2 * ps))
     sparse = without_scoring + scoring
     return {"dense": dense, "sparse": sparse, "speedup": dense / sparse}
-
-
-def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
-    """Expected tokens one exact-mode round commits when each draft is accepted with probability `acceptance`
-    independently: the accepted drafts plus the dense token the verification adds, sum_{i=0..K} a^i."""
-    if not 0.0 <= acceptance <= 1.0:
-        raise SparrowError(f"acceptance must be in [0, 1], got {acceptance!r}")
-    check_int("draft_tokens", draft_tokens, 1)
-    return float(sum(acceptance**i for i in range(draft_tokens + 1)))
-
-
-def acceptance_segments(acceptance, prompt_len: int, gen_len: int) -> list[tuple[int, int, float]]:
-    """The trajectory's decode steps 0..gen_len-1 (step i holds prompt_len + i + 1 tokens) as runs (first step,
-    steps, acceptance). `acceptance`: one value for every length, or [(cached length, acceptance), ...] ascending,
-    each in force from its length on (a profile's per-bin means); lengths below the first take the first's."""
-    if not isinstance(acceptance, (list, tuple)):
-        return [(0, gen_len, acceptance)]
-    if not acceptance:
-        raise SparrowError("per-length acceptance needs at least one (cached length, acceptance) pair")
-    for start, value in acceptance:
-        check_int("acceptance's cached length", start, 0)
-        check_finite(f"acceptance from {start} cached tokens", value, 0, 1)
-    for (before, _), (start, _) in itertools.pairwise(acceptance):
-        if start <= before:
-            raise SparrowError(f"per-length acceptance must ascend in cached length, got {before} then {start}")
-    # the first step at each later length (clipped to the trajectory); the first value also covers what precedes it
-    bounds = [0, *(min(gen_len, max(0, start - prompt_len - 1)) for start, _ in acceptance[1:]), gen_len]
-    return [(first, end - first, float(value))
-            for (first, end), (_, value) in zip(itertools.pairwise(bounds), acceptance, strict=True) if end > first]
-
-
-DRAFTERS = ("shared", "copy")
-
-
-def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-                 acceptance, draft_tokens: int, page_size: int = 16, dense_layers: int = 2,
-                 landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2, drafter: str = "shared") -> dict:
-    """Predicted decode cost of exact mode against dense decode over one trajectory.
-
-    A round drafts K tokens with `schedule` (K sparse decode steps) and verifies them with one dense span step of
-    K+1 tokens per sequence: the weights and each sequence's K/V are read once, the projection and attention FLOPs
-    are paid for every token. A round commits `tokens_per_verify(a, K)` tokens on average, so a stretch of n steps
-    takes n / E rounds. The per-step sums of the trajectory (sparse and dense decode) price the K drafts and the
-    verification at the lengths they run at. `acceptance` is the coupled acceptance a (a profile's mean alpha is
-    its upper bound): one value, or per cached length as `acceptance_segments` reads it, each stretch of the
-    trajectory priced at its own. `drafter`: "shared" (our engine: the drafts decode over the verified cache) or
-    "copy" (vLLM's draft model, a second copy with its own cache: its first pass of a round rewrites the K+1
-    verified tokens densely, priced as a second verification, and draws the first draft; K-1 sparse steps
-    follow)."""
-    if drafter not in DRAFTERS:
-        raise SparrowError(f"drafter {drafter!r}: expected one of {', '.join(DRAFTERS)}")
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
-    check_int("draft_tokens", draft_tokens, 1)
-    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options).decode
-    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options).decode
-    exact_cost, rounds, weighted = 0.0, 0.0, 0.0
-    for first, steps, value in acceptance_segments(acceptance, prompt_len, gen_len):
-        part_dense = trajectory_cost(dims, hw, DENSE, prompt_len + first, steps, samples, **options).decode
-        part_sparse = trajectory_cost(dims, hw, schedule, prompt_len + first, steps, samples, **options).decode
-        verify = _cost(hw, weight_bytes=part_dense.weight_bytes, kv_bytes=part_dense.kv_bytes, landmark_bytes=0,
-                       proj_flops=(draft_tokens + 1) * part_dense.proj_flops,
-                       attn_flops=(draft_tokens + 1) * part_dense.attn_flops, score_flops=0,
-                       forwards=part_dense.forwards)
-        per_round = tokens_per_verify(value, draft_tokens)
-        drafts = (draft_tokens * part_sparse.cost if drafter == "shared"
-                  else verify.cost + (draft_tokens - 1) * part_sparse.cost)
-        exact_cost += (drafts + verify.cost) / per_round
-        rounds += steps / per_round
-        weighted += steps * value
-    return {"acceptance": weighted / gen_len, "dense_decode_cost": dense.cost, "sparse_decode_cost": sparse.cost,
-            "exact_decode_cost": exact_cost, "tokens_per_verify": gen_len / rounds,
-            "sparse_over_dense": dense.cost / sparse.cost, "exact_over_dense": dense.cost / exact_cost}
-
-
-def best_draft_tokens(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int,
-                      samples: int, acceptance, max_draft_tokens: int = 16, **options) -> dict:
-    """`exact_decode` at the draft length K in 1..max_draft_tokens that maximises the predicted speedup."""
-    check_int("max_draft_tokens", max_draft_tokens, 1)
-    runs = [{"draft_tokens": k, **exact_decode(dims, hw, schedule, prompt_len, gen_len, samples, acceptance, k,
-                                               **options)} for k in range(1, max_draft_tokens + 1)]
-    return max(runs, key=lambda run: run["exact_over_dense"])

@@ -102,7 +102,8 @@ def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
 
 @pytest.mark.parametrize("mode", ["sparse", "exact"])
 def test_bench_predicts_each_step_it_measures_with_the_cost_model(mode, capsys):
-    from sparrow.measure.cost_model import compare, exact_decode, hardware
+    from sparrow.measure.cost_model import compare, hardware
+    from sparrow.measure.exact_cost import exact_decode
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
 

@@ -144,7 +144,8 @@ def test_the_long_answer_profile_at_the_papers_tau_needs_the_whole_cache_at_3_5_
 def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_length(tmp_path, capsys):
     from sparrow.cli import main
     from sparrow.measure.calibration import exact_candidates, per_length_acceptance
-    from sparrow.measure.cost_model import exact_decode, hardware
+    from sparrow.measure.cost_model import hardware
+    from sparrow.measure.exact_cost import exact_decode
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
 

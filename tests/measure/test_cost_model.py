@@ -13,21 +13,18 @@ from sparrow.cli import main
 from sparrow.errors import SparrowError
 from sparrow.measure.cost_model import (
     HARDWARE,
-    acceptance_segments,
     Hardware,
     ModelDims,
-    best_draft_tokens,
     compare,
     equal_cost_constant,
-    exact_decode,
     hardware,
     paper_cost,
     prefill_cost,
     seconds,
-    tokens_per_verify,
-    training_step,
     trajectory_cost,
 )
+from sparrow.measure.exact_cost import acceptance_segments, best_draft_tokens, exact_decode, tokens_per_verify
+from sparrow.measure.training_cost import training_step
 from sparrow.model_shapes import SMOLLM2_135M, model_config, model_dims
 from sparrow.schedules import DENSE, const, parse_schedule, steps
 
