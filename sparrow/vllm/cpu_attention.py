@@ -120,10 +120,11 @@ class SparrowCPUMetadata(CPUAttentionMetadata):
 
 
 class SparrowCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    exact = False  # exact mode: `build` serves the dense target, `build_for_drafting` the drafter
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = active()
-        self.exact = False  # exact mode: this builder's `build` serves the dense target, `build_for_drafting` the drafter
         if config is not None and not self.is_cross_attention and not self.is_encoder_only_attention:
             check_sparse_config(config.sparse, self.block_size, self.kv_cache_dtype)
             self.exact = check_engine(vllm_config)

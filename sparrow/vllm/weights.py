@@ -70,21 +70,27 @@ def quiet_rotary_reload_warning() -> None:
 def reload(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load `weights` (checkpoint names and format, tied weights under all their names) into the running engine
     `llm` (a `vllm.LLM`) in place; every layer is processed again, the exact-mode drafter's copy of the policy too
-    (vLLM's `reload_weights` reloads the target only). The caller resets the prefix cache."""
+    (vLLM's `reload_weights` reloads the target only). The caller resets the prefix cache. Streamed as they come,
+    except with a drafter: then each tensor is copied first, since a sender may change its tensors in place once
+    its iterator ends (TRL unmerges a LoRA adapter) and the drafter loads them after the target."""
     quiet_rotary_reload_warning()
-    weights = list(weights)
+    drafter = any(llm.collective_rpc(has_drafter))
+    if drafter:
+        weights = [(name, tensor.detach().clone()) for name, tensor in weights]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
-    llm.collective_rpc(reload_drafter, args=(weights,))
+    if drafter:
+        llm.collective_rpc(reload_drafter, args=(weights,))
 
 
-def reload_drafter(worker, weights: list[tuple[str, torch.Tensor]]) -> bool:
-    """On a vLLM worker: load `weights` into the draft model of exact mode, if the engine has one (False if not)."""
+def has_drafter(worker) -> bool:
+    """On a vLLM worker: whether the engine drafts with a model of its own (exact mode's copy of the policy)."""
+    return getattr(getattr(worker.model_runner, "drafter", None), "model", None) is not None
+
+
+def reload_drafter(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """On a vLLM worker: load `weights` into the draft model of exact mode."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    drafter = getattr(worker.model_runner, "drafter", None)
-    model = getattr(drafter, "model", None)
-    if model is None:
-        return False
-    reload_weights(drafter.vllm_config, model, weights_iterator=iter(weights), weights_path=None,
+    drafter = worker.model_runner.drafter
+    reload_weights(drafter.vllm_config, drafter.model, weights_iterator=iter(weights), weights_path=None,
                    is_checkpoint_format=True)
-    return True

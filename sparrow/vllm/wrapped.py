@@ -107,13 +107,14 @@ def graph_buffers(vllm_config, config: PluginConfig, device) -> DecodeGraphBuffe
 
 class SparrowBuilderMixin:
     """The wrapped builder, called once per step on the whole batch with the sparse requests reduced to one token."""
+    exact = False  # exact mode: `build` serves the dense target, `build_for_drafting` the drafter
+
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = active()
         self.graph_buffers = None
         self.sparrow_block_size = kv_cache_spec.block_size
-        self.exact = False  # exact mode: `build` serves the dense target, `build_for_drafting` the sparse drafter
         if config is not None:
             check_sparse_config(config.sparse, kv_cache_spec.block_size, "auto")
             self.exact = check_engine(vllm_config)
