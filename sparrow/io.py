@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import stat
 import tempfile
 import warnings
@@ -230,3 +231,16 @@ def read_jsonl(path: str | os.PathLike, torn_tail_ok: bool = False) -> list[tupl
     if not rows:
         raise SparrowError(f"file {str(path)!r} holds no rows")
     return rows
+
+
+def write_whole(stream, text: str) -> None:
+    """Write and flush `text` with Ctrl-C and SIGTERM held back until it is all written, so that an interrupt
+    arriving mid-write (a pipe takes a long text in several writes) leaves no torn line; the held signal acts
+    right after."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        stream.write(text)
+        stream.flush()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

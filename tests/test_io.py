@@ -101,3 +101,40 @@ def test_a_figure_that_cannot_be_written_names_its_file(tmp_path):
     from sparrow.cli.app import _one_line
 
     assert _one_line(caught.value) == f"{str(tmp_path / 'plot.png')!r}: No space left on device"
+
+
+def test_write_whole_holds_a_termination_back_until_the_text_is_written():
+    """A SIGTERM arriving in the middle of the write (here: sent by the stream itself between two chunks) acts
+    only after the whole text is written and flushed: no torn line."""
+    import os
+    import signal
+
+    from sparrow.io import write_whole
+
+    class Terminated(Exception):
+        pass
+
+    class Chunked:
+        def __init__(self):
+            self.parts, self.flushed = [], False
+
+        def write(self, text):
+            half = len(text) // 2
+            self.parts.append(text[:half])
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.parts.append(text[half:])
+
+        def flush(self):
+            self.flushed = True
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    stream = Chunked()
+    try:
+        with pytest.raises(Terminated):
+            write_whole(stream, '{"a": 1}\n{"b": 2}\n')
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "".join(stream.parts) == '{"a": 1}\n{"b": 2}\n' and stream.flushed

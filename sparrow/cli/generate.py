@@ -12,7 +12,7 @@ from sparrow.engine import Completion, SamplingParams, as_chat, content_keys
 from sparrow.engine.exact import exact_summary
 from sparrow.engine.waves import prompts_per_wave
 from sparrow.errors import SparrowError
-from sparrow.io import require_file
+from sparrow.io import require_file, write_whole
 from sparrow.options import (
     AdaptedModelSection,
     RolloutSection,
@@ -109,9 +109,8 @@ def run(args) -> int:
     completions = []
     try:
         for part in _generate(backend, config, prompts, calls, log):
-            if config.json:  # printed as each call finishes, in one write: an interrupt leaves whole lines
-                sys.stdout.write("".join(json.dumps(c.to_json()) + "\n" for c in part))
-                sys.stdout.flush()
+            if config.json:  # printed as each call finishes, whole: an interrupt leaves whole lines
+                write_whole(sys.stdout, "".join(json.dumps(c.to_json()) + "\n" for c in part))
             completions += part
     finally:
         backend.close()

@@ -44,7 +44,7 @@ from sparrow.vllm.env import FOLLOW, environment_for
 from .config import SparrowConfig
 from .monitor import gather_rows, measure, rollout_batch, verdict
 from .schedule_file import RunTimeSchedule, SparseCoverage
-from .trl_exact import DraftCounters, exact_engine
+from .trl_exact import DraftCounters, exact_engine, plain_engine
 
 __all__ = ["SparrowConfig", "SparrowGRPOTrainer"]
 
@@ -159,6 +159,8 @@ def configure_plugin(config: SparrowConfig, path: Path, mode: str) -> None:
     adapt_trl_to_vllm_cpu()
     if config.exact:
         exact_engine(config.draft_tokens)
+    else:
+        plain_engine()
 
 
 class SparrowGRPOTrainer(GRPOTrainer):

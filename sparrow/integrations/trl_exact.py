@@ -36,6 +36,15 @@ def exact_engine(draft_tokens: int) -> None:
     reload_weight_sync()
 
 
+def plain_engine() -> None:
+    """TRL's `LLM` as it was before `exact_engine` (a sparse trainer after an exact one in the same process)."""
+    from trl.generation import vllm_generation
+
+    build = vllm_generation.LLM
+    if getattr(build, EXACT_MARK, None):
+        vllm_generation.LLM = build.__wrapped__
+
+
 class DraftCounters:
     """What the verifications of an engine kept since the last read, from vLLM's speculative decoding counters."""
 

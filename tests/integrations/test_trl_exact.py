@@ -86,3 +86,23 @@ def test_trls_weight_sync_reaches_the_drafter(exact_run):
     drafter = dict(runner.drafter.model.named_parameters())[name]
     assert not torch.equal(trained, torch.ones_like(trained))  # the update moved it (initialised to ones)
     assert torch.equal(target, trained) and torch.equal(drafter, trained)
+
+
+def test_a_sparse_trainer_after_an_exact_one_gets_trls_plain_engine(monkeypatch):
+    pytest.importorskip("trl")
+    from trl.generation import vllm_generation
+
+    from sparrow.integrations.trl_exact import exact_engine, plain_engine
+
+    def original(*args, **kwargs):
+        return kwargs
+
+    monkeypatch.setattr(vllm_generation, "LLM", original)
+    monkeypatch.setattr(vllm_generation.VLLMGeneration, "sync_weights", vllm_generation.VLLMGeneration.sync_weights)
+    exact_engine(3)
+    built = vllm_generation.LLM(model="/m", dtype="float32")
+    assert built["speculative_config"]["num_speculative_tokens"] == 3 and built["model"] == "/m"
+    exact_engine(2)  # wrapped once, with the new length
+    assert vllm_generation.LLM(model="/m")["speculative_config"]["num_speculative_tokens"] == 2
+    plain_engine()
+    assert vllm_generation.LLM is original
