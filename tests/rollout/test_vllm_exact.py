@@ -219,3 +219,29 @@ def test_generate_in_exact_mode_with_backend_vllm_records_verifications_and_draf
 
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["verifies"] >= 1 and len(row["drafted"]) == len(row["token_ids"]) == 12
+
+
+def test_grpo_steps_in_exact_mode_with_the_vllm_backend(tmp_path):
+    """`sparrow train --backend vllm --rollout-mode exact`: two GRPO steps whose rollouts vLLM drafts under
+    const:64 and verifies densely; the log carries what the verifications kept and the importance weights are 1
+    (the rollouts' log-probs are the dense policy's, to float rounding)."""
+    import json
+
+    from sparrow.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "abc " * (40 + 9 * i), "answer": str(i)}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    assert main(["train", "--model", _model_dir(), "--data", str(data), "--output-dir", str(out),
+                 "--backend", "vllm", "--rollout-mode", "exact", "--draft-tokens", "2",
+                 "--reward", "tests.rl.test_trainer:byte_mean", "--steps", "2", "--prompts-per-step", "2",
+                 "--num-generations", "2", "--max-new-tokens", "12", "--learning-rate", "1e-3",
+                 "--schedule", "const:64", "--micro-batch-size", "4", "--bin-size", "64", "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    for row in rows:
+        assert 1 <= row["rollout/tokens_per_verify"] <= 3 and 0 <= row["rollout/kept_first_1"] <= 1
+        assert row["time/monitor_s"] == 0
+        for bound in ("min", "max"):  # vLLM's log-probs are the dense policy's: the importance weights are 1
+            assert row[f"sampling/importance_sampling_ratio/{bound}"] == pytest.approx(1, abs=1e-3)
