@@ -1,17 +1,13 @@
 """`SparrowGRPOTrainer` with `SparrowConfig(rollout_mode="exact")`: TRL's colocated engine drafts with the policy
 under the sparse schedule and verifies densely (sparrow/vllm/exact_mode.py); one GRPO step on a tiny model."""
 
-import logging
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from sparrow.errors import SparrowError
 from sparrow.integrations.config import SparrowConfig
-from tests.conftest import save_tiny_for_vllm
-from tests.integrations.test_trl_setup import Records, constant_reward
+from tests.integrations.test_trl_setup import one_trl_step
 
 
 def test_exact_mode_takes_a_fixed_sparse_schedule_and_a_draft_length():
@@ -27,39 +23,10 @@ def test_exact_mode_takes_a_fixed_sparse_schedule_and_a_draft_length():
 
 @pytest.fixture(scope="module")
 def exact_run(tmp_path_factory):
-    pytest.importorskip("trl")
-    pytest.importorskip("vllm")
-    import datasets
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig
-
-    from sparrow.integrations.trl import SparrowGRPOTrainer
-
-    tmp = tmp_path_factory.mktemp("trl-exact")
-    model_dir = str(save_tiny_for_vllm(tmp / "tiny"))
-    saved = dict(os.environ)
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", SPARROW_HUGE_PAGES="0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    logger = logging.getLogger("sparrow.integrations.trl")
-    records, level = Records(), logger.level
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    args = GRPOConfig(output_dir=str(tmp / "run"), max_steps=1, learning_rate=1e-2, save_strategy="no",
-                      report_to="none", use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=12, temperature=1.0, use_vllm=True,
-                      vllm_mode="colocate", logging_steps=1, vllm_max_model_length=1024)
-    trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=constant_reward, args=args,
-                                 train_dataset=datasets.Dataset.from_list([{"prompt": "count the pages " * 30}] * 4),
-                                 processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                 sparrow_config=SparrowConfig(schedule="const:64", rollout_mode="exact",
-                                                              draft_tokens=2))
-    trainer.train()
-    yield trainer, records.lines
-    logger.removeHandler(records)
-    logger.setLevel(level)
-    trainer.vllm_generation.llm = None
-    os.environ.clear()
-    os.environ.update(saved)
+    config = SparrowConfig(schedule="const:64", rollout_mode="exact", draft_tokens=2)
+    with one_trl_step(tmp_path_factory.mktemp("trl-exact"), config, "count the pages " * 30, learning_rate=1e-2,
+                      max_completion_length=12, vllm_max_model_length=1024) as run:
+        yield run
 
 
 def test_one_exact_step_drafts_sparsely_verifies_and_says_the_weights_are_one(exact_run):

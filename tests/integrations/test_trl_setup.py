@@ -3,6 +3,7 @@ sampling correction that fits sparse rollouts unless the user chose one, Sparrow
 bad argument, the warning of a schedule that never decodes sparsely, the adaptive bins up to the length vLLM holds,
 and TRL's version warning filtered for the tested vLLM release only."""
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -215,10 +216,10 @@ def constant_reward(completions, **_):
     return [float(len(c) % 5) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def adaptive_run(tmp_path_factory):
-    """One GRPO step, adaptive from dense, vllm_max_model_length unset (the tiny model holds 4096 positions),
-    TRL's default correction: a run that decodes nothing sparsely."""
+@contextlib.contextmanager
+def one_trl_step(tmp, sparrow_config: SparrowConfig, prompt: str, **grpo):
+    """One colocated GRPO step of SparrowGRPOTrainer on a tiny vLLM model under `tmp` (GRPOConfig's test settings,
+    `grpo` over them), with the integration's log lines: yields (trainer, [(level, message)])."""
     pytest.importorskip("trl")
     pytest.importorskip("vllm")
     import datasets
@@ -227,7 +228,6 @@ def adaptive_run(tmp_path_factory):
 
     from sparrow.integrations.trl import SparrowGRPOTrainer
 
-    tmp = tmp_path_factory.mktemp("trl-setup")
     model_dir = str(save_tiny_for_vllm(tmp / "tiny"))
     saved = dict(os.environ)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", SPARROW_HUGE_PAGES="0")
@@ -236,21 +236,32 @@ def adaptive_run(tmp_path_factory):
     records, level = Records(), logger.level
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
-    args = GRPOConfig(output_dir=str(tmp / "run"), max_steps=1, learning_rate=1e-5, save_strategy="no",
-                      report_to="none", use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=8, temperature=1.0, use_vllm=True,
-                      vllm_mode="colocate", logging_steps=1)
-    trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=constant_reward, args=args,
-                                 train_dataset=datasets.Dataset.from_list([{"prompt": "count the pages " * 4}] * 4),
+    settings = dict(output_dir=str(tmp / "run"), max_steps=1, learning_rate=1e-5, save_strategy="no",
+                    report_to="none", use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=4,
+                    num_generations=4, max_completion_length=8, temperature=1.0, use_vllm=True,
+                    vllm_mode="colocate", logging_steps=1)
+    trainer = SparrowGRPOTrainer(model=model_dir, reward_funcs=constant_reward, args=GRPOConfig(**{**settings, **grpo}),
+                                 train_dataset=datasets.Dataset.from_list([{"prompt": prompt}] * 4),
                                  processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                 sparrow_config=SparrowConfig(schedule="adaptive", bin_size=1024))
-    trainer.train()
-    yield trainer, records.lines
-    logger.removeHandler(records)
-    logger.setLevel(level)
-    trainer.vllm_generation.llm = None
-    os.environ.clear()
-    os.environ.update(saved)
+                                 sparrow_config=sparrow_config)
+    try:
+        trainer.train()
+        yield trainer, records.lines
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+        trainer.vllm_generation.llm = None
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tmp_path_factory):
+    """One GRPO step, adaptive from dense, vllm_max_model_length unset (the tiny model holds 4096 positions),
+    TRL's default correction: a run that decodes nothing sparsely."""
+    with one_trl_step(tmp_path_factory.mktemp("trl-setup"), SparrowConfig(schedule="adaptive", bin_size=1024),
+                      "count the pages " * 4) as run:
+        yield run
 
 
 def test_the_run_trains_with_token_truncation_and_says_so(adaptive_run):
