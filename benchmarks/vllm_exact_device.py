@@ -37,6 +37,7 @@ def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, sh
     from vllm import LLM, SamplingParams
 
     from sparrow.attention import SparseConfig
+    from sparrow.integrations.trl_exact import DraftCounters
     from sparrow.vllm import env as plugin_env
     from sparrow.vllm.exact_mode import speculative_config
 
@@ -51,6 +52,7 @@ def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, sh
     llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=longest, gpu_memory_utilization=0.9,
               enable_prefix_caching=True, seed=0, max_num_seqs=max(b for _, b in shapes), **extra)
     out = {"start_s": time.perf_counter() - started, "shapes": {}}
+    counters = DraftCounters(draft_tokens)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for context, batch in shapes:
@@ -61,7 +63,7 @@ def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, sh
             llm.generate(prompts, one, use_tqdm=False)  # prefill, kept by the prefix cache
             llm.generate(prompts, many, use_tqdm=False)  # warm-up
             times = []
-            before = _spec_counters(llm)
+            counters.read(llm)  # what the warm-up kept is left out
             for _ in range(repeats):
                 start = time.perf_counter()
                 llm.generate(prompts, one, use_tqdm=False)
@@ -69,27 +71,14 @@ def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, sh
                 start = time.perf_counter()
                 llm.generate(prompts, many, use_tqdm=False)
                 times.append(time.perf_counter() - start - base)
-            after = _spec_counters(llm)
             row = {"tokens_per_s": batch * (steps - 1) / statistics.median(times), "seconds": times}
-            if after[0] > before[0]:
-                row["tokens_per_verify"] = 1 + (after[1] - before[1]) / (after[0] - before[0])
+            kept = counters.read(llm)
+            if kept:
+                row["tokens_per_verify"] = kept["rollout/tokens_per_verify"]
             out["shapes"][key] = row
         except Exception as err:  # noqa: BLE001 - a shape that does not fit is a result, the others still run
             out["shapes"][key] = {"error": f"{type(err).__name__}: {err}"[:500]}
     return out
-
-
-def _spec_counters(llm) -> tuple[int, int]:
-    drafts = accepted = 0
-    try:
-        for metric in llm.get_metrics():
-            if metric.name == "vllm:spec_decode_num_drafts":
-                drafts += int(metric.value)
-            elif metric.name == "vllm:spec_decode_num_accepted_tokens":
-                accepted += int(metric.value)
-    except Exception:  # noqa: BLE001 - statistics off: no counters
-        pass
-    return drafts, accepted
 
 
 def identity_child(schedule: str, draft_tokens: int) -> dict:

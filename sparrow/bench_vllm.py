@@ -46,11 +46,13 @@ class VLLMExactBenchResult:
     max_rss_gib: float
 
 
+ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0)
+
+
 def time_calls(configs: dict, prompts: list[list[int]], steps: int, repeats: int, log) -> tuple[dict, dict]:
     """Per config name (backend, schedule, draft tokens): decode tokens/s over `repeats` alternated calls, each
     `steps` greedy tokens per prompt, the time of a 1-token call taken off (the recompute of a prompt's partial last
     block cancels out); and each config's completions of the last repeat."""
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0)
     many = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, num_logprobs=0)
     log(f"warm-up: {steps} tokens x {len(prompts)} requests, " + " and ".join(configs))
     for backend, schedule, drafts in configs.values():
@@ -58,9 +60,10 @@ def time_calls(configs: dict, prompts: list[list[int]], steps: int, repeats: int
     times, outs = {name: [] for name in configs}, {}
     for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows all alike
         for name, (backend, schedule, drafts) in configs.items():
-            backend.generate(prompts, one, schedule, draft_tokens=drafts)  # a sparse call after a dense one rebuilds
-            start = time.perf_counter()                                     # landmarks: untimed
-            backend.generate(prompts, one, schedule, draft_tokens=drafts)
+            # untimed: a sparse call after a dense one rebuilds landmarks
+            backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
+            start = time.perf_counter()
+            backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
             base = time.perf_counter() - start
             start = time.perf_counter()
             outs[name] = backend.generate(prompts, many, schedule, draft_tokens=drafts)
@@ -75,8 +78,7 @@ def time_calls(configs: dict, prompts: list[list[int]], steps: int, repeats: int
 
 def _prefill(backend, prompts, schedule: Schedule, drafts: int | None) -> float:
     start = time.perf_counter()
-    backend.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0),
-                     schedule, draft_tokens=drafts)
+    backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
     return time.perf_counter() - start
 
 

@@ -219,12 +219,10 @@ class VLLMBackend:
         completion.finish_reason = "length" if out.finish_reason == "length" else "stop"
         completion.text = final_text(self.tokenizer, completion.token_ids, sampling.stop)
         if self.draft_tokens is not None:
-            metrics = getattr(out, "spec_decode_metrics", None)
-            completion.verifies, completion.drafted = draft_record(
-                getattr(metrics, "per_step_accepted", None), len(completion.token_ids))
-            completion.verifies = max(completion.verifies, 1)  # a one-token answer still marks exact mode
-            completion.rejections = sum(1 for a in getattr(metrics, "per_step_accepted", None) or []
-                                        if a < self.draft_tokens)
+            accepted = getattr(getattr(out, "spec_decode_metrics", None), "per_step_accepted", None) or []
+            verifies, completion.drafted = draft_record(accepted, len(completion.token_ids))
+            completion.verifies = max(verifies, 1)  # a one-token answer still marks exact mode
+            completion.rejections = sum(a < self.draft_tokens for a in accepted)
             completion.kv_budget = token_budgets(DENSE, len(completion.prompt_token_ids), len(completion.token_ids))
             completion.draft_acceptance = [None] * len(completion.token_ids)
 
