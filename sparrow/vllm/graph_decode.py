@@ -8,8 +8,9 @@ in its prompt, padding), and the cached length vLLM's kernel is given, 1 for a r
 vLLM's kernel does one token of work for it). The captured forward runs vLLM's kernel and ours on the whole batch
 and keeps each request's row from the one that owns it. Ours scores every page slot of the block table
 (`page_scores`, landmarks read in place, pages past a request's length at -inf) and keeps `slots` pages per
-(request, KV head): the largest budget of the schedule in force when the engine started, the slots past a
-request's own budget masked (-1), so a later schedule with a larger budget is refused.
+(request, KV head) by the one selection rule (`selection.select_pages`, its count of slots fixed): the largest
+budget of the schedule in force when the engine started, the slots past a request's own budget masked (-1), so a
+later schedule with a larger budget is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from sparrow.attention.config import SparseConfig
+from sparrow.attention.selection import select_pages
 from sparrow.errors import SparrowError
 from sparrow.schedules import Schedule
 
@@ -98,18 +100,6 @@ def page_scores(queries: torch.Tensor, landmarks: PageLandmarks, page_table: tor
     return out
 
 
-def select_slots(scores: torch.Tensor, n_pages: torch.Tensor, budget_pages: torch.Tensor, sparse: SparseConfig,
-                 slots: int) -> torch.Tensor:
-    """`selection.select_pages` with the count of slots fixed: scores [R, Hkv, P] (-inf past each request's pages)
-    -> logical pages [R, Hkv, slots], -1 past min(budget, pages held) (a budget of 0 attends nothing)."""
-    page = torch.arange(scores.shape[-1], device=scores.device)
-    n_pages = n_pages.view(-1, 1, 1)
-    forced = (page < n_pages) & ((page < sparse.sink_pages) | (page >= n_pages - sparse.recent_pages))
-    top = scores.masked_fill(forced, float("inf")).topk(slots, dim=-1, sorted=True).indices
-    count = torch.minimum(budget_pages.view(-1, 1, 1), n_pages)
-    return torch.where(torch.arange(slots, device=scores.device) < count, top, -1)
-
-
 def graph_sparse_decode(queries: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_table: torch.Tensor, landmarks: PageLandmarks, seq_lens: torch.Tensor,
                         budget_pages: torch.Tensor, sparse: SparseConfig, scale: float, slots: int) -> torch.Tensor:
@@ -120,7 +110,9 @@ def graph_sparse_decode(queries: torch.Tensor, key_cache: torch.Tensor, value_ca
     page_table = physical_pages(block_table, block_table.shape[1] * (block // ps), block, ps)
     n_pages = (seq_lens.long() + ps - 1) // ps
     scores = page_scores(queries, landmarks, page_table, n_pages, sparse)
-    pages = select_slots(scores, n_pages, budget_pages, sparse, min(slots, page_table.shape[1]))
+    pages, valid = select_pages(scores, n_pages[:, None], budget_pages[:, None], sparse.sink_pages,
+                                sparse.recent_pages, slots=min(slots, page_table.shape[1]))
+    pages = torch.where(valid, pages, -1)  # a budget of 0 attends nothing
     return paged_sparse_attention(queries, key_cache, value_cache, page_table, pages, seq_lens, ps, scale)
 
 

@@ -28,7 +28,6 @@ if INTERPRETED:
         graph_sparse_decode,
         page_scores,
         reference_page_scores,
-        select_slots,
     )
     from sparrow.vllm.triton_decode import page_reader, sparse_decode
 
@@ -53,18 +52,22 @@ def test_the_scoring_kernel_equals_the_landmarks_scores(landmark, group):
 
 
 @interpreted
-def test_fixed_slots_select_the_pages_select_pages_selects():
+def test_fixed_slots_select_the_pages_of_the_largest_count():
+    """The graph path's selection (`slots` fixed, no host read) keeps the pages the count read from the device
+    keeps, then only slots marked invalid."""
     batch = Batch([300, 97, 513, 40], 2, 2, 64, 32)
     budget = torch.tensor([4, 5, 6, 9])
     scores = reference_page_scores(batch.queries, batch.landmarks, batch.page_table, batch.n_pages, batch.sparse)
-    pages, valid = select_pages(scores, batch.n_pages[:, None], budget[:, None], batch.sparse.sink_pages,
-                                batch.sparse.recent_pages)
-    fixed = select_slots(scores, batch.n_pages, budget, batch.sparse, 12)
-    assert fixed.shape == (4, 2, 12)
-    assert (fixed >= 0).sum(-1).tolist() == [[4, 4], [5, 5], [6, 6], [3, 3]]
-    for r in range(4):
-        for h in range(2):
-            assert set(fixed[r, h][fixed[r, h] >= 0].tolist()) == set(pages[r, h][valid[r, h]].tolist())
+    args = (scores, batch.n_pages[:, None], budget[:, None], batch.sparse.sink_pages, batch.sparse.recent_pages)
+    pages, valid = select_pages(*args)
+    fixed, fixed_valid = select_pages(*args, slots=12)
+    assert fixed.shape == (4, 2, 12) and pages.shape == (4, 2, 6)
+    assert fixed_valid.sum(-1).tolist() == [[4, 4], [5, 5], [6, 6], [3, 3]]
+    assert torch.equal(fixed_valid[..., :6], valid) and not fixed_valid[..., 6:].any()
+    def kept(chosen, marked):  # as sets: pages tied at +inf (sinks, recent pages) come in any order
+        return chosen.masked_fill(~marked, -1).sort(-1).values
+
+    assert torch.equal(kept(fixed[..., :6], valid), kept(pages, valid))
 
 
 @interpreted
