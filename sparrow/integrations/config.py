@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.options import SparseSection
-from sparrow.rl.adaptive import ADAPTIVE
 from sparrow.rl.config import AdaptiveSection, MonitorSection
 from sparrow.schedules import Schedule, parse_schedule
+from sparrow.schedules.adaptive import ADAPTIVE
 from sparrow.typed_config import check_finite, check_int
 from sparrow.vllm.exact_mode import MAX_DRAFT_TOKENS
 
@@ -23,7 +23,7 @@ class SparrowConfig:
 
     schedule: the rollouts' KV budget schedule: a spec (`const:256`, `0:512,3584:1024`), a published preset, a
       calibrated schedule file (`sparrow calibrate`), `dense`, or `adaptive` (budgets per length bin move to the
-      cheapest rung whose exact p5 holds tau, from `adaptive_start`; sparrow/rl/adaptive.py).
+      cheapest rung whose exact p5 holds tau, from `adaptive_start`; sparrow/schedules/adaptive.py).
     tau, bin_size: the stability threshold of each length bin's 5th percentile of acceptance, and the bins.
     monitor_share, monitor_every: the share of each process's rollouts (the first rows) teacher-forced
       for the exact tail, on every `monitor_every`-th generation batch.

@@ -20,7 +20,7 @@ from sparrow.attention.interface import base_model
 from sparrow.errors import SparrowError
 from sparrow.measure.acceptance import piece_acceptance
 from sparrow.measure.batch import RolloutBatch, piece_logits, piece_prompt, shared_prompt_pieces
-from sparrow.measure.tail import by_bin
+from sparrow.metrics.tail import by_bin
 from sparrow.rl.config import MonitorSection
 from sparrow.rl.step_metrics import exact_metrics
 from sparrow.schedules import Schedule

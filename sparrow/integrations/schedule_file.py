@@ -1,10 +1,10 @@
 """The rollouts' schedule at run time, through the file Sparrow's vLLM plugin follows (`SPARROW_VLLM_SCHEDULE=@PATH`).
 
-`RunTimeSchedule` holds the schedule a framework wants next: fixed, or adaptive (`sparrow train`'s controller,
-sparrow/rl/controllers.py's `AdaptiveSchedule`, driven unchanged by the step's gathered measurements). Every
-process keeps the same state (the same gathered values go in); only the writer (rank 0) writes the file, each
-change under the next version number, and a new run starts the file over at version 1. After a generate call, `in_force` reads what the plugin reports beside the file (the version that
-decoded, and the last refusal), so the monitor measures under the schedule that actually decoded the tokens.
+`RunTimeSchedule` is `sparrow.schedules.runtime.WrittenSchedule` (the schedule written under versions, and the
+version the plugin reports in force) made from a SparrowConfig: fixed, or adaptive (`sparrow train`'s controller,
+`sparrow.schedules.controllers.AdaptiveSchedule`, driven unchanged by the step's gathered measurements). After a
+generate call, `in_force` reads what the plugin reports beside the file, so the monitor measures under the schedule
+that actually decoded the tokens.
 
 `SparseCoverage` notices a schedule that decodes nothing sparsely at the lengths a run reaches (a budget that covers
 them all), by the plugin's own rule (`sparrow.vllm.plan.sparse_rows`), and words one warning for it.
@@ -17,34 +17,25 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.rl.adaptive import AdaptiveState, start_state
-from sparrow.rl.controllers import AdaptiveSchedule
-from sparrow.schedules import Schedule, check_schedule_file, write_schedule_json
+from sparrow.schedules import Schedule
+from sparrow.schedules.adaptive import start_state
+from sparrow.schedules.controllers import AdaptiveSchedule
+from sparrow.schedules.runtime import WrittenSchedule
 from sparrow.vllm.env import ENV_SCHEDULE, FOLLOW
 from sparrow.vllm.plan import sparse_rows
-from sparrow.vllm.status import read_status, status_path
 
 from .config import SparrowConfig
 
 
-class RunTimeSchedule:
-    """The schedule file of one run: what is written (`schedule`, `version`) and what the plugin put in force."""
+class RunTimeSchedule(WrittenSchedule):
+    """The schedule file of one TRL run: what is written (`schedule`, `version`) and what the plugin put in force,
+    for sequences up to `max_length` tokens."""
 
     def __init__(self, config: SparrowConfig, path: str | Path, max_length: int, writer: bool):
-        self.config, self.path, self.writer = config, Path(path), writer
-        self.max_length = int(max_length)
-        sparse = config.sparse
-        start = config.start_schedule()
-        self.adaptive = (AdaptiveSchedule(start_state(start, config.bin_size, self.max_length, sparse.page_size,
-                                                      sparse.always_kept_pages), config.tau, config.adaptive)
-                         if config.is_adaptive else None)
-        self.schedule = start if self.adaptive is None else self.adaptive.schedule()
-        self.version = 1
-
-    @property
-    def state(self) -> AdaptiveState | None:
-        """The adaptive controller's state (None: a fixed schedule)."""
-        return None if self.adaptive is None else self.adaptive.current
+        self.config, self.max_length = config, int(max_length)
+        sparse, start = config.sparse, config.start_schedule()
+        super().__init__(path, sparse.page_size, sparse.always_kept_pages, writer, start,
+                         _adaptive(config, start, self.max_length))
 
     def resize(self, max_length: int) -> bool:
         """Before the first generation: the adaptive bins and budget ladder again, for the longest sequence the
@@ -52,66 +43,29 @@ class RunTimeSchedule:
         max_length = int(max_length)
         if self.adaptive is None or max_length == self.max_length:
             return False
-        resized = RunTimeSchedule(self.config, self.path, max_length, self.writer)
-        self.adaptive, self.schedule, self.max_length = resized.adaptive, resized.schedule, max_length
-        self.version += 1
-        self.write()
+        self.max_length = max_length
+        self.replace_adaptive(_adaptive(self.config, self.config.start_schedule(), max_length))
         return True
-
-    def start(self) -> None:
-        """Start the file over at version 1, whatever version an earlier run left in it, and drop that run's status
-        file, so a stale report is never read as this run's."""
-        if self.writer:
-            status_path(self.path).unlink(missing_ok=True)
-            self.write(restart=True)
-
-    def write(self, restart: bool = False) -> None:
-        """The schedule under its version (refused if the file holds a later one, unless `restart`)."""
-        if self.writer:
-            sparse = self.config.sparse
-            write_schedule_json(self.schedule, self.path, sparse.page_size, version=self.version,
-                                always_kept_pages=sparse.always_kept_pages, restart=restart)
-
-    def measured(self) -> dict[str, Schedule]:
-        """The schedules teacher-forced beside the one in force: the adaptive controller's one-rung-cheaper one."""
-        return {} if self.adaptive is None else self.adaptive.measure()
 
     def in_force(self) -> tuple[Schedule, int, list[str]]:
         """The schedule the plugin reports in force (its version), and a warning when it is not the one written
         (a refused file, or an engine that has not read it)."""
-        status = read_status(self.path)
-        if status is None:
+        reported = self.reported()
+        if reported is None:
             raise SparrowError(f"Sparrow's vLLM plugin reported no schedule beside {str(self.path)!r} after a "
                                f"generate call: expected the vLLM engine started with {ENV_SCHEDULE}="
                                f"{FOLLOW}{self.path} (in TRL's server mode, set it for `trl vllm-serve`)")
-        sparse = self.config.sparse
-        schedule, _ = check_schedule_file({key: status[key] for key in ("name", "bins")},
-                                          f"status file {str(status_path(self.path))!r}", sparse.page_size,
-                                          sparse.always_kept_pages)
-        warnings = []
-        if status["version"] != self.version:
-            why = f": the plugin refused it ({status['refused']})" if status.get("refused") else ""
-            warnings.append(f"the rollouts decoded under schedule version {status['version']} ({schedule.name}), "
-                            f"not version {self.version} ({self.schedule.name}) written to {self.path}{why}")
-        return schedule, status["version"], warnings
+        return reported
 
-    def update(self, current: np.ndarray, cheaper: np.ndarray, positions: np.ndarray) -> list[str]:
-        """The adaptive controller's step on the exact acceptance under the schedule in force and one rung
-        cheaper; a move is written as the next version. Returns what moved."""
-        if self.adaptive is None:
-            return []
-        moved = self.adaptive.observe(current, cheaper, positions)
-        if moved:
-            self.schedule, self.version = self.adaptive.schedule(), self.version + 1
-            self.write()
-        return moved
 
-    def metrics(self, version_in_force: int) -> dict[str, float]:
-        """The version that decoded the step, and with the adaptive schedule each bin's budget written next and the
-        cheaper rung's tails it was decided on."""
-        values = {} if self.adaptive is None else {**self.adaptive.budget_metrics(), **self.adaptive.evidence}
-        return {"sparrow/schedule_version": float(version_in_force),
-                **{name: float(value) for name, value in values.items()}}
+def _adaptive(config: SparrowConfig, start: Schedule, max_length: int) -> AdaptiveSchedule | None:
+    """The adaptive controller of `config`, from `start`'s budgets, on bins up to `max_length` (None: a fixed
+    schedule)."""
+    if not config.is_adaptive:
+        return None
+    sparse = config.sparse
+    return AdaptiveSchedule(start_state(start, config.bin_size, max_length, sparse.page_size,
+                                        sparse.always_kept_pages), config.tau, config.adaptive)
 
 
 def first_sparse_length(schedule: Schedule, page_size: int, low: int, high: int) -> int | None:

@@ -28,7 +28,7 @@ from sparrow.io import atomic_write_json, atomic_write_text, save_figure
 from sparrow.measure.acceptance import teacher_forced_acceptance
 from sparrow.measure.calibration import check_profile
 from sparrow.measure.retention import reward_retention
-from sparrow.measure.tail import tail_stats
+from sparrow.metrics.tail import tail_stats
 from sparrow.schedules import DENSE, Schedule
 
 LENGTH_ORIGINS = ("total", "generated")

@@ -27,8 +27,7 @@ from sparrow.attention.interface import base_model
 from sparrow.errors import SparrowError
 from sparrow.io import fsync_dir, umask
 from sparrow.lora import ADAPTER_MARK, has_adapter
-
-from .probes import SwitchState
+from sparrow.schedules.controllers import SwitchState
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 ADAPTER_DIR = "adapter"

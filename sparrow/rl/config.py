@@ -16,9 +16,9 @@ from sparrow.errors import SparrowError
 from sparrow.io import require_file
 from sparrow.options import DataSection, ModelSection, SamplingSection
 from sparrow.schedules import DENSE, Schedule
+from sparrow.schedules.adaptive import ADAPTIVE
 from sparrow.typed_config import section
 
-from .adaptive import ADAPTIVE
 from .distill import DistillConfig
 from .sections import (AdaptiveSection, EvalSection, GRPOSection, MonitorSection, RunSection, TrainRolloutSection,
                        TrainSamplingSection, TrainSparseSection)

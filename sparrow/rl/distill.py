@@ -8,8 +8,8 @@ the adapter takes one AdamW step on
 
     L_LoRA = L_PPO_sparse + lambda * L_KL
 
-(see `Distiller.step`). When rollouts may move to a more aggressive schedule is rl/probes.py's (the probes and
-the switch's state) and rl/controllers.py's (`SwitchSchedule`).
+(see `Distiller.step`). When rollouts may move to a more aggressive schedule is the switch controller's
+(`sparrow.schedules.controllers.SwitchSchedule`: its state and decision), on the probes of rl/probes.py.
 """
 
 from __future__ import annotations

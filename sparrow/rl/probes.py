@@ -1,49 +1,22 @@
 """DistillSparse's switch probes: the exact acceptance of the sparse actor under a candidate schedule on held-out
-prompts (`probe`), and the switch's state (`SwitchState`, advanced by `observe_probe`, pure): rollouts move to the
-candidate once every length bin's 5th percentile reaches tau on enough consecutive probes.
+prompts (`probe`), the evidence the switch controller (`sparrow.schedules.controllers.SwitchSchedule`) decides on;
+`switch_schedule` builds that controller for a run.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from sparrow.attention import SparseConfig
 from sparrow.measure.acceptance import teacher_forced_acceptance
-from sparrow.measure.tail import tail_stats
+from sparrow.metrics.tail import tail_stats
 from sparrow.schedules import Schedule
+from sparrow.schedules.controllers import SwitchSchedule
 
+from .config import TrainConfig
+from .step_state import Policy
 
-@dataclass(frozen=True)
-class SwitchState:
-    """Where schedule switching stands: consecutive passing probes, and the step after which rollouts switched."""
-
-    streak: int = 0
-    switched_at: int | None = None
-
-    @property
-    def switched(self) -> bool:
-        return self.switched_at is not None
-
-    def to_json(self) -> dict:
-        return {"streak": self.streak, "switched_at": self.switched_at}
-
-    @classmethod
-    def from_json(cls, data: dict | None) -> SwitchState:
-        return cls(**(data or {}))
-
-
-def observe_probe(state: SwitchState, bin_p5: list[float], tau: float, patience: int, step: int) -> SwitchState:
-    """The state after a probe at `step` whose per-bin 5th percentiles are `bin_p5` (pure).
-
-    A probe passes when it has bins and every bin's p5 >= tau; a failing probe resets the streak. Rollouts switch
-    once `patience` consecutive probes pass; after that the state no longer changes.
-    """
-    if state.switched:
-        return state
-    streak = state.streak + 1 if bin_p5 and min(bin_p5) >= tau else 0
-    return SwitchState(streak, step if streak >= patience else None)
+PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
 
 
 def probe(backend, model, prompts: list, schedule: Schedule, sampling, num_samples: int, sparse: SparseConfig,
@@ -63,3 +36,17 @@ def probe(backend, model, prompts: list, schedule: Schedule, sampling, num_sampl
         metrics[f"probe/bin_{b['start']}/acceptance_p5"] = b["p5"]
         metrics[f"probe/bin_{b['start']}/acceptance_mean"] = b["mean"]
     return [b["p5"] for b in stats["bins"]], metrics
+
+
+def switch_schedule(config: TrainConfig, policy: Policy, backend, probes: list) -> SwitchSchedule:
+    """The run's switch controller: the configured schedule until the probes (`probe` on the `probes` examples,
+    every `probe_every` steps, sampled with seeds of their own) hold tau under `switch_schedule`."""
+    distill, prompts = config.distill, [ex.prompt for ex in probes]
+
+    def probe_at(step: int) -> tuple[list[float], dict]:
+        sampling = config.sampling.params(seed=PROBE_SEED + config.run.seed * 1_000_003 + step)
+        return probe(backend, policy.model, prompts, config.parsed.switch_schedule, sampling,
+                     config.grpo.num_generations, config.sparse.config(), config.monitor.bin_size, policy.pad_id)
+
+    return SwitchSchedule(config.parsed.schedule, config.parsed.switch_schedule, probe_at, every=distill.probe_every,
+                          patience=distill.probe_patience, tau=config.monitor.tau, named=distill.switch_schedule)

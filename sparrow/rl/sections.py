@@ -11,9 +11,9 @@ from sparrow.engine import SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.io import check_output, require_file
 from sparrow.options import SCHEDULE_HELP, RolloutSection, SamplingSection, ScheduledSparseSection, SparseSection
+from sparrow.schedules.adaptive import ADAPTIVE, FALLBACKS
 from sparrow.typed_config import check_finite, check_int, option
 
-from .adaptive import ADAPTIVE, FALLBACKS
 from .losses import ADVANTAGE_ESTIMATORS, GROUP_STDS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TIS_MODES
 
 MONITORS = ("exact", "bounds")
@@ -171,7 +171,7 @@ class MonitorSection:
 
 @dataclass
 class AdaptiveSection:
-    """`schedule: adaptive`: budgets per length bin (`bin_size`) move during training (sparrow/rl/adaptive.py),
+    """`schedule: adaptive`: budgets per length bin (`bin_size`) move during training (sparrow/schedules/adaptive.py),
     from the `adaptive_start` schedule, to the cheapest rung whose exact p5 holds tau."""
 
     start: str = option("dense", "with --schedule adaptive: the schedule its budgets start from",

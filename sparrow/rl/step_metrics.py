@@ -13,7 +13,7 @@ import torch
 
 from sparrow.engine.exact import draft_rounds, exact_summary
 from sparrow.measure.retention import reward_retention
-from sparrow.measure.tail import bin_tails, tail_stats
+from sparrow.metrics.tail import bin_tails, tail_stats
 
 from .config import MonitorSection, StepConfig
 from .losses import tis_stats

@@ -3,7 +3,8 @@
 Everything that varies between steps is a function of (seed, step): the prompts of step k come from the
 seeded sampler, and the rollout seed is derived from the step, so a run resumed from checkpoint-k draws the
 same data and samples as an uninterrupted one and ends with the same parameters. The schedule controller's state
-(the adaptive budgets, DistillSparse's switch; rl/controllers.py) is saved in the checkpoint's trainer state.
+(the adaptive budgets, DistillSparse's switch; sparrow/schedules/controllers.py) is saved in the checkpoint's
+trainer state.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from sparrow.io import append_jsonl
 from sparrow.lora import attach_adapter, base_parameters
 from sparrow.report import write_report
 from sparrow.rewards.scoring import check_reward_functions
+from sparrow.schedules.adaptive import start_state
+from sparrow.schedules.controllers import AdaptiveSchedule, FixedSchedule
 from sparrow.typed_config import to_nested
 
-from .adaptive import start_state
 from .checkpoint import latest_valid_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .controllers import AdaptiveSchedule, FixedSchedule, SwitchSchedule
 from .distill import Distiller
+from .probes import switch_schedule
 from .run_dir import RunLock, check_resume_config, check_resume_data, data_fingerprint, repair_metrics
 from .step import Policy, run_step
 from .step_metrics import step_metrics
@@ -199,15 +201,15 @@ def _check_lengths(examples: list, tokenizer, max_new_tokens: int, positions: in
 
 
 def _controller(config: TrainConfig, policy: Policy, backend, examples: list, probes: list, tokenizer):
-    """The run's schedule controller (rl/controllers.py). The adaptive one starts from `adaptive_start`'s budgets
-    on bins of `bin_size` up to the longest prompt plus max_new_tokens."""
+    """The run's schedule controller (sparrow/schedules/controllers.py). The adaptive one starts from
+    `adaptive_start`'s budgets on bins of `bin_size` up to the longest prompt plus max_new_tokens."""
     if config.parsed.adaptive:
         longest = max(len(encode_prompt(tokenizer, ex.prompt)) for ex in examples) + config.sampling.max_new_tokens
         sparse = config.sparse.config()
         return AdaptiveSchedule(start_state(config.parsed.schedule, config.monitor.bin_size, longest, sparse.page_size,
                                             sparse.always_kept_pages), config.monitor.tau, config.adaptive)
     if config.parsed.switch_schedule is not None:
-        return SwitchSchedule(config, policy, backend, probes)
+        return switch_schedule(config, policy, backend, probes)
     return FixedSchedule(config.parsed.schedule)
 
 

@@ -10,7 +10,10 @@ are keyed by page count as the release's planner keys them (`page_bin_starts`): 
 2000 i - 15, not 2000 i.
 
 The package: the type, `const`, `steps` and the presets (schedule.py), parsing (parse.py), schedule files
-(files.py).
+(files.py); a schedule file at run time, written under versions, followed and reported (runtime.py); the
+controllers that pick each training step's schedule (controllers.py: fixed, adaptive on adaptive.py's state and
+rule, DistillSparse's switch). The last three are imported by name (`sparrow.schedules.runtime`, ...), so that
+importing the package (as the vLLM plugin does in every engine process) loads no more than it needs.
 """
 
 from __future__ import annotations

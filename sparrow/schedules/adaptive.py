@@ -23,12 +23,14 @@ checkpoints, so a resumed run continues exactly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.measure.tail import quantile_interval
-from sparrow.schedules import Schedule
+from sparrow.metrics.tail import quantile_interval
+
+from .schedule import Schedule
 
 ADAPTIVE = "adaptive"  # the schedule option's value that selects the adaptive schedule (`sparrow train`, TRL)
 
@@ -47,6 +49,16 @@ def ladder(page_size: int, always_kept_pages: int, max_length: int) -> list[int]
 FALLBACKS = ("budget", "dense", "exact")
 """What a bin whose p5 fell below tau gets at the next step: the next budget up, a budget covering the bin, or the
 next budget up with the step rolled out in exact mode."""
+
+
+class AdaptiveRule(Protocol):
+    """The adaptive rule's settings, as `sparrow train`'s adaptive section and TRL's SparrowConfig give them
+    (checked by `check_rule`)."""
+
+    margin: float
+    patience: int
+    min_tokens: int
+    fallback: str
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,29 @@
 """Who picks each training step's schedule: one controller per run, so the training loop has no special cases.
 
-Each is a `ScheduleController`. `FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length bin's budget on the step's
-exact acceptance (rl/adaptive.py), and with `adaptive_fallback: exact` asks for exact rollouts (`exact()`). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few
-steps on held-out prompts and switches to it once its tail holds tau. The loop asks `schedule()` and `measure()`
-(schedules to teacher-force beside it) before a step, passes the finished step to `after_step` (which may add
-metrics and returns messages to log), and saves `state()` with each checkpoint (`restore` on resume).
+Each is a `ScheduleController`. `FixedSchedule` keeps the configured schedule. `AdaptiveSchedule` moves each length
+bin's budget on the step's exact acceptance (adaptive.py), and with `adaptive_fallback: exact` asks for exact rollouts
+(`exact()`). `SwitchSchedule` (DistillSparse) probes a more aggressive schedule every few steps on held-out prompts
+and switches to it once its tail holds tau (`SwitchState`, advanced by `observe_probe`). The loop asks `schedule()`
+and `measure()` (schedules to teacher-force beside it) before a step, passes the finished step to `after_step`
+(which may add metrics and returns messages to log), and saves `state()` with each checkpoint (`restore` on resume).
+
+The controllers decide on evidence others gather: the finished step's exact acceptance (sparrow.rl's StepBatch:
+`exact`, `exact_at`, `measured`), or the switch's probe, a function sparrow.rl gives (rl/probes.py).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from sparrow.measure.tail import by_bin
-from sparrow.schedules import Schedule
+from sparrow.metrics.tail import by_bin
 
-from .adaptive import AdaptiveState, cheaper_tails, current_tails, update
-from .config import AdaptiveSection, TrainConfig
-from .probes import SwitchState, observe_probe, probe
-from .step import Policy, StepBatch
-
-PROBE_SEED = 2**40  # probe sampling seeds stay apart from the rollout seeds (seed * 1_000_003 + step)
+from .adaptive import AdaptiveRule, AdaptiveState, cheaper_tails, current_tails, update
+from .schedule import Schedule
 
 
 class ScheduleController(ABC):
@@ -40,7 +41,8 @@ class ScheduleController(ABC):
         """Whether the next step rolls out in exact mode instead of with the schedule alone."""
         return False
 
-    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+    def after_step(self, step: int, done, metrics: dict) -> list[str]:
+        """After step `step` (`done`: its finished StepBatch), metrics added to `metrics` and messages to log."""
         return []
 
     def state(self) -> dict:
@@ -69,7 +71,7 @@ class AdaptiveSchedule(ScheduleController):
     one rung cheaper and the lower end of its interval, what a move down waits on) and, with the exact fallback,
     `fallen` and `hold_streak`; `adaptive/exact_next` says whether the next step rolls out in exact mode."""
 
-    def __init__(self, start: AdaptiveState, tau: float, rule: AdaptiveSection):
+    def __init__(self, start: AdaptiveState, tau: float, rule: AdaptiveRule):
         self.current, self.tau, self.rule = start, tau, rule
         self.evidence: dict[str, float] = {}  # the last observation's cheaper-rung tails, as metrics
 
@@ -101,7 +103,7 @@ class AdaptiveSchedule(ScheduleController):
                                       cheaper_tails(before, lower, rule.min_tokens), rule.fallback == "exact")
         return moved
 
-    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
+    def after_step(self, step: int, done, metrics: dict) -> list[str]:
         metrics.update(self.budget_metrics())
         if self.rule.fallback == "exact":
             metrics["adaptive/exact"] = int(self.exact())  # this step's rollouts: exact mode or the schedule
@@ -143,32 +145,62 @@ def step_evidence(before: AdaptiveState, after: AdaptiveState, tails: dict, chea
     return out
 
 
-class SwitchSchedule(ScheduleController):
-    """DistillSparse's switch: the configured schedule until `probe_patience` consecutive probes (every
-    `probe_every` steps, the candidate schedule's exact acceptance on the probe prompts) hold every length bin's
-    p5 at tau; the candidate from then on. Logs `probe/...` metrics and `distill/switched`."""
+@dataclass(frozen=True)
+class SwitchState:
+    """Where schedule switching stands: consecutive passing probes, and the step after which rollouts switched."""
 
-    def __init__(self, config: TrainConfig, policy: Policy, backend, probes: list):
-        self.fixed, self.config, self.policy, self.backend, self.probes = (config.parsed.schedule, config, policy,
-                                                                           backend, probes)
-        self.candidate, self.switch = config.parsed.switch_schedule, SwitchState()
+    streak: int = 0
+    switched_at: int | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.switched_at is not None
+
+    def to_json(self) -> dict:
+        return {"streak": self.streak, "switched_at": self.switched_at}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> SwitchState:
+        return cls(**(data or {}))
+
+
+def observe_probe(state: SwitchState, bin_p5: list[float], tau: float, patience: int, step: int) -> SwitchState:
+    """The state after a probe at `step` whose per-bin 5th percentiles are `bin_p5` (pure).
+
+    A probe passes when it has bins and every bin's p5 >= tau; a failing probe resets the streak. Rollouts switch
+    once `patience` consecutive probes pass; after that the state no longer changes.
+    """
+    if state.switched:
+        return state
+    streak = state.streak + 1 if bin_p5 and min(bin_p5) >= tau else 0
+    return SwitchState(streak, step if streak >= patience else None)
+
+
+class SwitchSchedule(ScheduleController):
+    """DistillSparse's switch: the configured schedule (`fixed`) until `patience` consecutive probes (every `every`
+    steps; `probe(step)`, the candidate schedule's per-bin p5 of exact acceptance on the probe prompts and its
+    `probe/...` metrics) hold every length bin's p5 at tau; the `candidate` (named `named` in messages) from then
+    on. Logs `probe/...` metrics and `distill/switched`."""
+
+    def __init__(self, fixed: Schedule, candidate: Schedule, probe: Callable[[int], tuple[list[float], dict]], *,
+                 every: int, patience: int, tau: float, named: str):
+        self.fixed, self.candidate, self.probe = fixed, candidate, probe
+        self.every, self.patience, self.tau, self.named = every, patience, tau, named
+        self.switch = SwitchState()
 
     def schedule(self) -> Schedule:
         return self.candidate if self.switch.switched else self.fixed
 
-    def after_step(self, step: int, done: StepBatch, metrics: dict) -> list[str]:
-        config, distill, events = self.config, self.config.distill, []
-        if not self.switch.switched and step % distill.probe_every == 0:
+    def after_step(self, step: int, done, metrics: dict) -> list[str]:
+        events = []
+        if not self.switch.switched and step % self.every == 0:
             clock = time.perf_counter()
-            sampling = config.sampling.params(seed=PROBE_SEED + config.run.seed * 1_000_003 + step)
-            bins, probed = probe(self.backend, self.policy.model, [ex.prompt for ex in self.probes], self.candidate,
-                                 sampling, config.grpo.num_generations, config.sparse.config(), config.monitor.bin_size,
-                                 self.policy.pad_id)
-            self.switch = observe_probe(self.switch, bins, config.monitor.tau, distill.probe_patience, step)
+            bins, probed = self.probe(step)
+            self.switch = observe_probe(self.switch, bins, self.tau, self.patience, step)
             metrics.update({**probed, "probe/streak": self.switch.streak, "time/probe_s": time.perf_counter() - clock})
             if self.switch.switched:
                 events.append(f"step {step}: every length bin's 5th percentile of acceptance under "
-                              f"{distill.switch_schedule} reached tau {config.monitor.tau} on {distill.probe_patience} "
+                              f"{self.named} reached tau {self.tau} on {self.patience} "
                               "consecutive probes; rollouts switch to it")
         metrics["distill/switched"] = float(self.switch.switched)
         return events

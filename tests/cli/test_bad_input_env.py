@@ -177,10 +177,10 @@ def test_every_reader_of_a_schedule_file_goes_through_the_one_check(tmp_path, mo
     check_schedule_file."""
     from sparrow.cli import main
     from sparrow.integrations import schedule_file
-    from sparrow.schedules import files as schedule_files
     from sparrow.integrations.config import SparrowConfig
+    from sparrow.schedules import files as schedule_files
+    from sparrow.schedules import runtime
     from sparrow.vllm.state import PluginState
-    from sparrow.vllm.status import write_status
 
     seen = []
     original = schedule_files.check_schedule_file
@@ -190,7 +190,7 @@ def test_every_reader_of_a_schedule_file_goes_through_the_one_check(tmp_path, mo
         return original(data, where, *args, **kwargs)
 
     monkeypatch.setattr(schedule_files, "check_schedule_file", spy)
-    monkeypatch.setattr(schedule_file, "check_schedule_file", spy)
+    monkeypatch.setattr(runtime, "check_schedule_file", spy)
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     write_schedule_json(const(64), good, version=1)
     bad.write_text(json.dumps({"bins": [{"start": 0, "kv_budget": 64, "topk": 1}]}))
@@ -215,7 +215,7 @@ def test_every_reader_of_a_schedule_file_goes_through_the_one_check(tmp_path, mo
     state.active()
     assert seen == [f"schedule file {str(good)!r}"] * 2  # at engine start and at its first step
     seen.clear()
-    runtime = schedule_file.RunTimeSchedule(SparrowConfig(schedule="const:64"), good, 512, writer=True)
-    write_status(good, const(64), 1, None)
-    assert runtime.in_force()[:2] == (const(64), 1)
+    written = schedule_file.RunTimeSchedule(SparrowConfig(schedule="const:64"), good, 512, writer=True)
+    runtime.write_status(good, const(64), 1, None)
+    assert written.in_force()[:2] == (const(64), 1)
     assert len(seen) == 1 and seen[0].startswith("status file ")

@@ -7,7 +7,7 @@ from sparrow.errors import SparrowError
 from sparrow.integrations.config import SparrowConfig
 from sparrow.integrations.schedule_file import RunTimeSchedule
 from sparrow.schedules import const, read_schedule_file, write_schedule_json
-from sparrow.vllm.status import status_path
+from sparrow.schedules.runtime import status_path
 
 
 def test_a_new_run_starts_the_file_over_and_an_older_version_is_refused(tmp_path):

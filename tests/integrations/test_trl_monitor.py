@@ -13,10 +13,10 @@ from sparrow.integrations.monitor import measure, rollout_batch, verdict
 from sparrow.rl.step import monitored_rows
 from sparrow.integrations.schedule_file import RunTimeSchedule
 from sparrow.measure.acceptance import teacher_forced_acceptance
-from sparrow.measure.tail import bin_tails, by_bin
-from sparrow.rl.adaptive import start_state, update
+from sparrow.metrics.tail import bin_tails, by_bin
 from sparrow.rl.config import MonitorSection
 from sparrow.schedules import const, read_schedule_file
+from sparrow.schedules.adaptive import start_state, update
 from sparrow.vllm import env as plugin_env
 from sparrow.vllm import state as plugin_state
 from tests.conftest import random_prompts

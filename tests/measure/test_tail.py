@@ -1,4 +1,4 @@
-"""Tail statistics per length bin (`sparrow.measure.tail`): the order-statistic interval of the 5th percentile,
+"""Tail statistics per length bin (`sparrow.metrics.tail`): the order-statistic interval of the 5th percentile,
 the verdicts against tau and the tokens that would decide them, and `tail_stats`, against hand and numpy values."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparrow.errors import SparrowError
-from sparrow.measure.tail import bin_tails, quantile_interval, tail_stats, tokens_to_decide
+from sparrow.metrics.tail import bin_tails, quantile_interval, tail_stats, tokens_to_decide
 
 
 def _raises(match, fn, *args, **kwargs):

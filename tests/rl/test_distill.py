@@ -21,11 +21,12 @@ from sparrow.models import load_model
 from sparrow.rl.config import TrainConfig
 from sparrow.rl.distill import DistillConfig, Distiller
 from sparrow.rl.losses import full_kl
-from sparrow.rl.probes import SwitchState, observe_probe, probe
+from sparrow.rl.probes import probe
 from sparrow.rl.step import Policy, StepConfig
 from sparrow.rl.trainer import train
 from sparrow.rollout import NativeBackend
 from sparrow.schedules import DENSE, const
+from sparrow.schedules.controllers import SwitchState, observe_probe
 from sparrow.typed_config import build, flatten_mapping
 from tests.fake_backend import ReplayBackend
 from tests.reference import token_logprobs

@@ -17,9 +17,9 @@ import pytest
 from sparrow.attention import SparseConfig
 from sparrow.errors import SparrowError
 from sparrow.schedules import DENSE, const, parse_schedule, write_schedule_json
+from sparrow.schedules import runtime as schedule_runtime
 from sparrow.vllm import env as plugin_env
 from sparrow.vllm import state as plugin_state
-from sparrow.vllm import status as plugin_status
 from tests.conftest import random_prompts, save_tiny_for_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,11 +43,11 @@ def _bins(config):
 def test_a_written_schedule_is_in_force_at_the_next_step_and_reported_beside_the_file(followed):
     first = plugin_state.active()
     assert (_bins(first), first.version) == ([(0, 64)], 1)
-    assert plugin_status.read_status(followed)["version"] == 1
+    assert schedule_runtime.read_status(followed)["version"] == 1
     write_schedule_json(parse_schedule("0:64,512:128"), followed, version=2)
     now = plugin_state.active()
     assert (_bins(now), now.version, now.source) == ([(0, 64), (512, 128)], 2, followed)
-    status = plugin_status.read_status(followed)
+    status = schedule_runtime.read_status(followed)
     assert (status["version"], status["bins"], status["refused"]) == (
         2, [{"start": 0, "kv_budget": 64}, {"start": 512, "kv_budget": 128}], None)
     write_schedule_json(DENSE, followed, version=3)
@@ -65,8 +65,8 @@ def test_a_file_without_a_version_counts_its_changes(followed):
 def test_an_unchanged_file_is_not_read_again(followed, monkeypatch):
     plugin_state.active()
     reads = []
-    original = plugin_state.read_schedule_file
-    monkeypatch.setattr(plugin_state, "read_schedule_file", lambda *a, **k: reads.append(a) or original(*a, **k))
+    original = schedule_runtime.read_schedule_file
+    monkeypatch.setattr(schedule_runtime, "read_schedule_file", lambda *a, **k: reads.append(a) or original(*a, **k))
     for _ in range(5):
         plugin_state.active()
     assert reads == []
@@ -94,10 +94,10 @@ def test_a_bad_file_mid_run_is_refused_once_and_the_previous_schedule_stays(foll
     assert (_bins(kept), kept.version) == ([(0, 64)], 1)
     messages = [r.getMessage() for r in caplog.records if r.name == "sparrow.vllm"]
     assert len(messages) == 1 and named in messages[0] and "version 1 (const:64) stays in force" in messages[0]
-    assert named in plugin_status.read_status(followed)["refused"]
+    assert named in schedule_runtime.read_status(followed)["refused"]
     write_schedule_json(const(256), followed, version=5)  # a good file again: in force, the refusal cleared
     assert (_bins(plugin_state.active()), plugin_state.active().version) == ([(0, 256)], 5)
-    assert plugin_status.read_status(followed)["refused"] is None
+    assert schedule_runtime.read_status(followed)["refused"] is None
 
 
 def test_a_bad_file_at_engine_start_stops_with_one_message_naming_it(tmp_path):
@@ -117,7 +117,7 @@ _SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
 from sparrow.schedules import parse_schedule, write_schedule_json
-from sparrow.vllm import status as plugin_status
+from sparrow.schedules import runtime as schedule_runtime
 
 calls = {"n": 0}
 try:
@@ -145,7 +145,7 @@ if __name__ == "__main__":
             write_schedule_json(parse_schedule(spec), path, version=version)
         before = calls["n"]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-        status = plugin_status.read_status(path)
+        status = schedule_runtime.read_status(path)
         rows.append({"logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                   for o in outs],
                      "version": status["version"], "bins": status["bins"], "refused": status["refused"],

@@ -4,9 +4,9 @@ never below the always-kept pages nor above the covering rung, and its state rou
 import numpy as np
 import pytest
 
-from sparrow.measure.tail import by_bin
-from sparrow.rl.adaptive import AdaptiveState, ladder, start_state, update
+from sparrow.metrics.tail import by_bin
 from sparrow.schedules import DENSE, const, parse_schedule
+from sparrow.schedules.adaptive import AdaptiveState, ladder, start_state, update
 
 TAU, MARGIN = 0.8, 0.02
 

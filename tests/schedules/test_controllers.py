@@ -1,4 +1,4 @@
-"""The schedule controllers the training loop asks each step (rl/controllers.py): what they return, what they log,
+"""The schedule controllers the training loop asks each step (schedules/controllers.py): what they return, what they log,
 and that their saved state restores them."""
 
 from types import SimpleNamespace
@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sparrow.measure.tail import quantile_interval
-from sparrow.rl.adaptive import start_state
+from sparrow.metrics.tail import quantile_interval
 from sparrow.rl.config import AdaptiveSection
-from sparrow.rl.controllers import AdaptiveSchedule, FixedSchedule
 from sparrow.schedules import const
+from sparrow.schedules.adaptive import start_state
+from sparrow.schedules.controllers import AdaptiveSchedule, FixedSchedule
 
 RULE = AdaptiveSection(margin=0.0, patience=1, min_tokens=10)
 
