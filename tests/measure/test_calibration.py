@@ -106,19 +106,15 @@ def test_the_shipped_reward_profile_calibrates_to_3072_tokens_for_a_retention_of
     assert calibrate(profile, 0.75, margin=0.02, min_retention=0.9)[0].budgets == (3072,)
 
 
-def test_the_long_answer_config_holds_the_calibration_of_its_shipped_profile():
+def test_the_long_answer_profile_at_a_lower_tau_takes_2048_for_its_reward_floor():
     """examples/longanswer-reward-profile.json (BENCHMARKS, "The long-answer regime", re-measured 2026-12-06): 1024
     tokens keep 0.763 of the dense reward's point estimate, below the 0.9 floor, and their p5 misses tau 0.75 + 0.02
-    from 3584 cached tokens on, so the calibration picks 2048 (0.996), which examples/smollm2-longanswer.yaml ships.
-    The tail alone would keep 1024 in the first bin; a floor of 0.7 would take 1024 at a low tau."""
-    import yaml
-
+    from 3584 cached tokens on, so the calibration at that lower tau picks 2048 (0.996). The tail alone would keep 1024
+    in the first bin; a floor of 0.7 would take 1024 at a low tau."""
     profile = json.loads(Path("examples/longanswer-reward-profile.json").read_text())
-    config = yaml.safe_load(Path("examples/smollm2-longanswer.yaml").read_text())
-    schedule, _ = calibrate(profile, config["monitor"]["tau"], margin=0.02,
-                            min_retention=config["monitor"]["min_retention"])
-    assert schedule.budgets == (2048,) and config["sparse"]["schedule"] == "0:2048"
-    assert calibrate(profile, config["monitor"]["tau"], margin=0.02)[0].budgets == (1024, 2048)
+    schedule, _ = calibrate(profile, 0.75, margin=0.02, min_retention=0.9)
+    assert schedule.budgets == (2048,)
+    assert calibrate(profile, 0.75, margin=0.02)[0].budgets == (1024, 2048)
     assert calibrate(profile, 0.5, min_retention=0.9)[0].budgets == (2048,)
     assert calibrate(profile, 0.5, min_retention=0.7)[0].budgets == (1024,)
 
@@ -127,7 +123,10 @@ def test_the_long_answer_profile_at_the_papers_tau_needs_the_whole_cache_at_3_5_
     """examples/longanswer-reward-profile.json at tau 0.86 with the 0.9 reward floor (BENCHMARKS, "The long-answer
     regime"): 2048 tokens reach 0.86 in every bin but [3584, 4096) (p5 0.824 on 3930 tokens), where no profiled
     budget does; run dense there, the non-decreasing rule keeps 4096 for the longer bins. At 0.80 the floor's 2048
-    stands everywhere, as at the shipped 0.75 + 0.02."""
+    stands everywhere, as at 0.75 + 0.02. examples/smollm2-longanswer.yaml starts its adaptive schedule there."""
+    import yaml
+
+    from sparrow.schedules import parse_schedule
     profile = json.loads(Path("examples/longanswer-reward-profile.json").read_text())
     with pytest.raises(SparrowError, match=r"\[3584, 4096\): best 5th percentile 0.8244"):
         calibrate(profile, 0.86, min_retention=0.9)
@@ -135,6 +134,10 @@ def test_the_long_answer_profile_at_the_papers_tau_needs_the_whole_cache_at_3_5_
     assert schedule.starts == (0, 3584) and schedule.budgets == (2048, 4096)
     assert [c.bound_by for c in choices] == ["tau + reward floor", "dense: tau unreached", "non-decreasing",
                                              "non-decreasing"]
+    config = yaml.safe_load(Path("examples/smollm2-longanswer.yaml").read_text())
+    assert config["monitor"]["tau"] == 0.86 and config["sparse"]["schedule"] == "adaptive"
+    start = parse_schedule(config["adaptive"]["start"])
+    assert (start.starts, start.budgets) == (schedule.starts, schedule.budgets)
     schedule, choices = calibrate(profile, 0.80, min_retention=0.9)
     assert schedule.budgets == (2048,)
     assert [c.bound_by for c in choices] == ["tau + reward floor", "tau + reward floor", "reward floor",

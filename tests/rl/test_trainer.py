@@ -199,7 +199,8 @@ def _from_mapping(mapping: dict) -> TrainConfig:
 
 def test_the_long_answer_config_validates_with_its_decode_bound_settings(tmp_path):
     """examples/smollm2-longanswer.yaml builds and validates once its data file exists: answers of up to
-    1400 tokens at temperature 1 and top-p 0.9, number_f1, one prompt x 8 samples, the calibrated 0:2048."""
+    1400 tokens at temperature 1 and top-p 0.9, number_f1, one prompt x 8 samples, an adaptive schedule from the
+    schedule calibrated at tau 0.86, monitored every step."""
     import yaml
 
     mapping = yaml.safe_load(open("examples/smollm2-longanswer.yaml"))
@@ -208,7 +209,8 @@ def test_the_long_answer_config_validates_with_its_decode_bound_settings(tmp_pat
     mapping["data"]["path"] = str(data)
     config = _from_mapping(mapping)
     assert (config.sampling.max_new_tokens, config.sampling.temperature, config.sampling.top_p) == (1400, 1.0, 0.9)
-    assert config.data.reward == ["number_f1"] and config.sparse.schedule == "0:2048"
+    assert config.data.reward == ["number_f1"] and config.sparse.schedule == "adaptive"
+    assert (config.adaptive.start, config.monitor.tau, config.monitor.monitor_every) == ("0:2048,3584:4096", 0.86, 1)
     assert (config.grpo.prompts_per_step, config.grpo.num_generations) == (1, 8)
 
 
