@@ -31,9 +31,10 @@ def main() -> None:
 
     import torch
 
-    from sparrow.attention import SparseConfig, cpu_kernel
+    from sparrow.attention import SparseConfig
     from sparrow.bench import cpu_flags, machine_info
-    from sparrow.huge_pages import zeros
+    from sparrow.cpu import kernel as cpu_kernel
+    from sparrow.cpu.huge_pages import zeros
 
     if cpu_kernel.load() is None:
         raise SystemExit("the compiled CPU kernel cannot be built here")

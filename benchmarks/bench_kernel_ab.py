@@ -1,4 +1,5 @@
-"""Before/after of the compiled CPU kernel: another checkout's `sparrow/attention/csrc` built under a name of its own
+"""Before/after of the compiled CPU kernel: another checkout's kernel sources (`sparrow/cpu/csrc`, or
+`sparrow/attention/csrc` in checkouts before they moved) built under a name of its own
 (with this checkout's compiler flags) against this checkout's, alternated call by call in one process, each result
 compared bit for bit.
 
@@ -34,11 +35,13 @@ def main() -> None:
     import torch
     from torch.utils.cpp_extension import load
 
-    from sparrow.attention import SparseConfig, cpu_kernel
+    from sparrow.attention import SparseConfig
+    from sparrow.cpu import kernel as cpu_kernel
 
-    csrc = args.baseline / "sparrow" / "attention" / "csrc"
-    if not (csrc / "sparse_decode.cpp").is_file():
-        raise SystemExit(f"{args.baseline} holds no kernel sources (expected {csrc}/sparse_decode.cpp)")
+    places = [args.baseline / "sparrow" / package / "csrc" for package in ("cpu", "attention")]
+    csrc = next((place for place in places if (place / "sparse_decode.cpp").is_file()), None)
+    if csrc is None:
+        raise SystemExit(f"{args.baseline} holds no kernel sources (expected {places[0]}/sparse_decode.cpp)")
     new = cpu_kernel.load()
     if new is None:
         raise SystemExit("this checkout's CPU kernel cannot be built here")

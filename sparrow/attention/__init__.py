@@ -1,7 +1,6 @@
 """Block-sparse attention (SPEC section 3): configuration, page landmarks, page selection, KV cache, kernels and
 the model hook."""
 
-from . import cpu_kernel
 from .config import SparseConfig
 from .interface import AttentionContext, enable_sparse_attention
 from .kv_cache import KVCache
@@ -13,7 +12,6 @@ __all__ = [
     "KVCache",
     "SparseConfig",
     "centroid_scores",
-    "cpu_kernel",
     "enable_sparse_attention",
     "quest_scores",
     "select_pages",

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel, prefix_attention
+from sparrow.cpu import kernel as cpu_kernel
+
+from . import prefix_attention
 from .config import SparseConfig
 from .kv_cache import DecodeStep, KVCache, SpanStep
 from .selection import select_pages

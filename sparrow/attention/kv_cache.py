@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparrow.huge_pages import zeros
+from sparrow.cpu.huge_pages import zeros
 
 from .config import SparseConfig
 

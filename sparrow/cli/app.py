@@ -14,9 +14,8 @@ import warnings
 from tqdm import std as tqdm_std
 from transformers.utils import logging as hf_logging
 
-from sparrow import huge_pages, models
-from sparrow.attention import cpu_kernel
-from sparrow.engine import fused_layers, packed_linear
+from sparrow import models
+from sparrow.cpu import switches
 from sparrow.errors import SparrowError
 from sparrow.rewards import sandbox
 
@@ -93,10 +92,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def check_environment() -> None:
     """Read every SPARROW_* variable the library reads deep inside a run, so that a value it does not understand is
     refused by name before any model loads (SPARROW_VLLM_* are checked where --backend vllm starts vLLM)."""
-    huge_pages.enabled()
-    cpu_kernel.enabled()
-    packed_linear.usable()
-    fused_layers.usable()
+    switches.check_all()
     sandbox.unsafe_from_env()
     models.cache_dir()
 

@@ -4,7 +4,7 @@ A decode step of a small model on a CPU spends a fifth of its time outside atten
 transformers layer runs some sixty small ops (norms, rotary embedding, reshapes, residual adds), each a few
 microseconds of dispatch on a handful of rows. Here a layer's query/key/value and gate/up projections are one
 `small_linear` each (their weights concatenated), and the rest follows transformers' formulas op for op, so the
-logits are the transformers layer's to the bit (tests/engine/test_fused_layers.py). Figures: BENCHMARKS.md,
+logits are the transformers layer's to the bit (tests/cpu/test_fused_layers.py). Figures: BENCHMARKS.md,
 "Decode speed in our engine".
 
 Fused within a scope (`FusedLayers.fused`, one `generate` call) in which the weights do not change, like the packs
@@ -22,11 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.attention import cpu_kernel
 from sparrow.attention.interface import CONTEXT_KEY, base_model, sparrow_attention
-from sparrow.io import env_flag
 
-from . import packed_linear
+from . import kernel, packed_linear, switches
 from .packed_linear import SMALL_ROWS
 
 LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -38,12 +36,12 @@ MODES = ("decode", "span")
 def usable() -> bool:
     """Off with SPARROW_FUSED_LAYERS=0, and wherever the linear layers may not run packed (`packed_linear.usable`:
     the fused layers' projections are `small_linear`)."""
-    return env_flag("SPARROW_FUSED_LAYERS", True, "the fused decoder layers") and packed_linear.usable()
+    return switches.fused_layers() and packed_linear.usable()
 
 
 def _plain(*linears: nn.Module) -> bool:
     """Plain float32 CPU linear layers (not an adapter's wrapper), all with a bias or all without."""
-    return (all(type(m) is nn.Linear and cpu_kernel.usable(m.weight) for m in linears)
+    return (all(type(m) is nn.Linear and kernel.usable(m.weight) for m in linears)
             and len({m.bias is None for m in linears}) == 1)
 
 
@@ -104,7 +102,7 @@ class FusedLayer:
         q_width, kv_width = attn.q_proj.out_features, attn.k_proj.out_features
 
         x = rms_norm(layer.input_layernorm, hidden).view(-1, width)
-        qkv = cpu_kernel.small_linear(x, *self.qkv).view(batch, tokens, -1, dim)
+        qkv = kernel.small_linear(x, *self.qkv).view(batch, tokens, -1, dim)
         heads, cos, sin = q_width // dim, *position_embeddings
         value = qkv[:, :, (q_width + kv_width) // dim:]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's query and key before the rotation
@@ -115,13 +113,13 @@ class FusedLayer:
             query, key = query_key[:, :, :heads], query_key[:, :, heads:]
         out, _ = sparrow_attention(attn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None,
                                    scaling=attn.scaling, **{CONTEXT_KEY: ctx})
-        out = cpu_kernel.small_linear(out.reshape(batch * tokens, -1), attn.o_proj.weight.detach(), attn.o_proj.bias)
+        out = kernel.small_linear(out.reshape(batch * tokens, -1), attn.o_proj.weight.detach(), attn.o_proj.bias)
         hidden = hidden + out.view(batch, tokens, width)
 
         x = rms_norm(layer.post_attention_layernorm, hidden).view(-1, width)
-        gate, up = cpu_kernel.small_linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate, up = kernel.small_linear(x, *self.gate_up).chunk(2, dim=-1)
         down = mlp.down_proj
-        out = cpu_kernel.small_linear(F.silu(gate) * up, down.weight.detach(), down.bias)
+        out = kernel.small_linear(F.silu(gate) * up, down.weight.detach(), down.bias)
         return hidden + out.view(batch, tokens, width)
 
 

@@ -10,7 +10,7 @@ to memory that asks for them:
   pages in place, with MADV_COLLAPSE (Linux 6.1+).
 
 Both are best effort: where the kernel refuses (another OS, THP "never", an old kernel) memory stays as it was.
-SPARROW_HUGE_PAGES=0 (or false/no/off) turns both off; a value not understood is refused.
+SPARROW_HUGE_PAGES=0 (or false/no/off) turns both off (`switches.huge_pages`); a value not understood is refused.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import sys
 
 import torch
 
-from sparrow.io import env_flag
+from . import switches
 
-ENV = "SPARROW_HUGE_PAGES"
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
@@ -34,7 +33,7 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 def enabled() -> bool:
     """Whether to ask for huge pages: on Linux unless SPARROW_HUGE_PAGES turns them off (a SparrowError naming a
     value that is not a yes or no)."""
-    return env_flag(ENV, True, "huge pages for KV caches") and _libc is not None
+    return switches.huge_pages() and _libc is not None
 
 
 def _advise(start: int, end: int, advice: int) -> bool:

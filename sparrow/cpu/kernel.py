@@ -1,7 +1,7 @@
 """Optional compiled CPU kernel for one decode step of one layer (see csrc/sparse_decode.cpp): sparse, and dense
 as the case where every page is kept (no page is scored then), which beats PyTorch's SDPA on the strided cache.
 The same module holds `small_linear` (csrc/small_linear.cpp), the decode step's linear layers for a few rows
-(engine/packed_linear.py).
+(packed_linear.py, fused_layers.py).
 
 The PyTorch path scores pages, selects them, gathers the selected keys and values into new tensors and then
 attends: a dozen small ops per layer, and the selected pages read twice and written once. The kernel does the
@@ -10,7 +10,8 @@ It is built on first use (a float32 CPU RolloutEngine loads it when made) with t
 by torch under ~/.cache/torch_extensions, compiled for this CPU with -march=native, under a name of its own per CPU
 model and instruction set, so that machines sharing a home directory never load each other's build: AVX-512 code
 dies on an AVX2-only CPU). Anything that stops it from building leaves the pure-PyTorch path in charge, with one
-warning of one line saying why (sources missing from the installed package, no compiler, no ninja, a failed build). SPARROW_CPU_KERNEL=0 turns it off.
+warning of one line saying why (sources missing from the installed package, no compiler, no ninja, a failed build).
+SPARROW_CPU_KERNEL=0 turns it off (`switches.kernel`).
 
 Torch guards a build with a `lock` file that its waiters poll forever, so a build killed midway would hang every
 later run. Builds here also hold an OS lock (flock, released when its holder dies): whoever holds it and
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.io import env_flag
+from . import switches
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("sparse_decode.cpp", "small_linear.cpp")]
 _NAME = "sparrow_sparse_decode"
@@ -46,14 +47,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-o
 LDFLAGS = ["-fopenmp", "-lmvec"]
 
 
-def enabled() -> bool:
-    return env_flag("SPARROW_CPU_KERNEL", True, "the compiled CPU decode kernel")
-
-
 def load():
     """The compiled module, or None when it is disabled or cannot be built here."""
     global _module, _tried
-    if _tried or not enabled():
+    if _tried or not switches.kernel():
         return _module
     _tried = True
     missing = cannot_build()
@@ -169,7 +166,7 @@ def build_guard(build_dir: Path, wait_s: float, log=_say) -> Iterator[bool]:
 
 
 def usable(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype == torch.float32 and enabled() and load() is not None
+    return query.device.type == "cpu" and query.dtype == torch.float32 and switches.kernel() and load() is not None
 
 
 def sparse_decode(queries, keys, values, landmarks, n_pages, budget_pages, total, sparse, scaling: float):

@@ -24,15 +24,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from sparrow.attention import cpu_kernel
-from sparrow.io import env_flag
+from . import kernel, switches
 
 SMALL_ROWS = 64  # inputs of at most this many rows take small_linear
 
 
 def usable() -> bool:
     """Whether this process may pack: oneDNN present, not turned off, MKL's reproducible mode not asked for."""
-    return (env_flag("SPARROW_PACKED_LINEAR", True, "oneDNN-packed linear weights") and "MKL_CBWR" not in os.environ
+    return (switches.packed_linear() and "MKL_CBWR" not in os.environ
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -69,11 +68,11 @@ class PackedLinears:
             self._packs, self._layers = None, []
 
     def _forward_of(self, layer: nn.Linear):
-        small = cpu_kernel.usable(layer.weight) and layer.weight.is_contiguous()
+        small = kernel.usable(layer.weight) and layer.weight.is_contiguous()
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if small and x.numel() <= SMALL_ROWS * x.shape[-1]:
-                out = cpu_kernel.small_linear(x.reshape(-1, x.shape[-1]), layer.weight.detach(), layer.bias)
+                out = kernel.small_linear(x.reshape(-1, x.shape[-1]), layer.weight.detach(), layer.bias)
                 return out.view(*x.shape[:-1], -1)
             pack = self._packs.get(layer)
             if pack is None:

@@ -4,8 +4,8 @@ The n samples of a prompt share one dense prefill whose keys/values are copied i
 runs all live rows together; each row's budget comes from the schedule at its own cached length. Finished rows
 are dropped from the batch so that later steps only pay for live sequences. Beside it: which prompts decode
 together (`waves`), when a sequence ends (`stops`), the sampler (`sampling`), exact mode's loop (`exact`), where
-the time went (`timing`), the error for non-finite logits (`finite`), and the CPU's linear layers (`packed_linear`)
-and decoder layers (`fused_layers`) for the scope of a call.
+the time went (`timing`) and the error for non-finite logits (`finite`). The CPU backend (`sparrow.cpu`) plugs in
+its speed paths for the scope of a call (`frozen_weights`); the loop is the same on every device.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from sparrow.attention import (
     SparseConfig,
     enable_sparse_attention,
 )
-from sparrow.attention import cpu_kernel
 from sparrow.attention.interface import CONTEXT_KEY, base_model
+from sparrow.cpu.backend import CpuBackend
 from sparrow.errors import SparrowError
 from sparrow.lora import without_adapter
 from sparrow.schedules import DENSE, Schedule
@@ -33,8 +33,6 @@ from sparrow.schedules import DENSE, Schedule
 from .arguments import check_generate
 from .exact import exact_wave, max_draft
 from .finite import check_logits_finite
-from .fused_layers import FusedLayers
-from .packed_linear import PackedLinears
 from .prompts import Prompt, encode_prompt
 from .sampling import GumbelNoise, HostSample, SamplingParams, sample, sequence_key
 from .sequence import Completion, cached_lengths
@@ -67,9 +65,7 @@ class RolloutEngine:
         self.device, self.dtype = param.device, param.dtype
         self.eos_ids = eos_ids(tokenizer, model)
         self.phases = PhaseClock(self.device)
-        self.linears = PackedLinears(model)  # linear layers with packed weights for the span of a generate call
-        self.layers = FusedLayers(model)  # decoder layers in a few ops for decode steps, the same span
-        cpu_kernel.usable(param)  # loads the kernel where it applies: a first build (~30 s) here, not in generate
+        self.cpu = CpuBackend(model)  # the CPU speed paths; loads the kernel where it applies (a first build here)
         # a prepared 4D mask: transformers returns it as it is instead of building one (and reading the device to
         # look for packed sequences); the engine's attention modes do not read it
         self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -77,8 +73,8 @@ class RolloutEngine:
     @contextlib.contextmanager
     def frozen_weights(self):
         """A scope in which the model's weights do not change (one `generate` call, a benchmark's timed steps): its
-        linear layers run packed and its decoder layers fused, from copies made on first use and dropped at the end."""
-        with self.linears.packed(), self.layers.fused():
+        linear layers run packed and its decoder layers fused on CPU (`CpuBackend.frozen_weights`)."""
+        with self.cpu.frozen_weights():
             yield
 
     @property

@@ -31,9 +31,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from sparrow import huge_pages
-from sparrow.attention import cpu_kernel
 from sparrow.attention.config import SparseConfig
+from sparrow.cpu import huge_pages
+from sparrow.cpu import kernel as cpu_kernel
 from sparrow.errors import SparrowError
 
 from .checks import check_engine, check_layers, check_sparse_config

@@ -4,10 +4,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from sparrow.attention import KVCache, SparseConfig, cpu_kernel
+from sparrow.attention import KVCache, SparseConfig
 from sparrow.attention.kernels import decode_attention
 from sparrow.attention.landmarks import LANDMARKS
 from sparrow.attention.teacher_forced import sparse_completion_logits, sparse_forward
+from sparrow.cpu import kernel as cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.schedules import DENSE, const, steps
 from tests.conftest import pad_sequences, random_prompts

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sparrow import huge_pages
 from sparrow.attention import SparseConfig
+from sparrow.cpu import huge_pages
 from sparrow.errors import SparrowError
 from sparrow.io import env_flag, env_int
 from sparrow.schedules import const, parse_schedule, read_schedule_file, write_schedule_json

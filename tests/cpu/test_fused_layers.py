@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from sparrow.attention import cpu_kernel
-from sparrow.engine import RolloutEngine, SamplingParams, fused_layers
+from sparrow.cpu import fused_layers
+from sparrow.cpu import kernel as cpu_kernel
+from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.lora import LoraSpec, attach_adapter
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
@@ -27,7 +28,7 @@ def _steps(engine, fused: bool, monkeypatch) -> list[torch.Tensor]:
             out.append(engine.decode_step(cache, out[-1].argmax(-1), const(48))[0])
         span = torch.stack([out[-1].argmax(-1), out[-2].argmax(-1), out[0].argmax(-1)], dim=1)
         out.append(engine.span_step(cache, span))
-        assert bool(engine.layers._layers) == fused  # while the scope is open
+        assert bool(engine.cpu.layers._layers) == fused  # while the scope is open
     return out
 
 
@@ -65,7 +66,7 @@ def test_layers_with_an_adapter_or_of_other_kinds_run_their_own_forward(llama):
     engine = RolloutEngine(adapted, tok)
     assert not any(fused_layers.supported(layer) for layer in adapted.get_base_model().model.layers)
     with engine.frozen_weights():
-        assert engine.layers._layers == []
+        assert engine.cpu.layers._layers == []
     other = copy.deepcopy(model.model.layers[0])
     other.mlp.act_fn = torch.nn.GELU()
     assert not fused_layers.supported(other)

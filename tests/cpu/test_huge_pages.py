@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sparrow import huge_pages
+from sparrow.cpu import huge_pages
 
 
 def collapse(tensor: torch.Tensor) -> bool:

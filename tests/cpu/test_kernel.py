@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.utils.cpp_extension
 
-from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention import SparseConfig
 from sparrow.attention.landmarks import LANDMARKS
+from sparrow.cpu import kernel as cpu_kernel
 
 _fork = multiprocessing.get_context("fork")
 

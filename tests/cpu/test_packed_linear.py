@@ -5,9 +5,9 @@ weights, and plain PyTorch where the README promises MKL's bits."""
 import pytest
 import torch
 
-from sparrow.attention import cpu_kernel
+from sparrow.cpu import kernel as cpu_kernel
+from sparrow.cpu import packed_linear
 from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.engine import packed_linear
 from sparrow.schedules import DENSE, const
 from tests.conftest import random_prompts
 
@@ -20,9 +20,9 @@ def _step_logits(engine, prompt, rows: int, packed: bool) -> torch.Tensor:
     if not packed:
         logits = engine.prefill(cache, prompt, torch.arange(rows)).expand(rows, -1)
         return engine.decode_step(cache, logits.argmax(-1), const(48))[0]
-    with engine.linears.packed():
+    with engine.cpu.linears.packed():
         logits = engine.prefill(cache, prompt, torch.arange(rows)).expand(rows, -1)
-        unpacked = [m for m in engine.linears._layers if m not in engine.linears._packs]
+        unpacked = [m for m in engine.cpu.linears._layers if m not in engine.cpu.linears._packs]
         head = [engine.model.get_output_embeddings()] if cpu_kernel.load() is not None else []
         assert unpacked == head  # the prompt's rows ran packed; its one row of logits took small_linear
         return engine.decode_step(cache, logits.argmax(-1), const(48))[0]
@@ -79,8 +79,8 @@ def test_a_weight_changed_between_calls_is_used_even_without_a_version_bump(llam
 def test_mkl_reproducible_mode_keeps_plain_pytorch(llama, monkeypatch):
     monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")
     engine = RolloutEngine(*llama)
-    with engine.linears.packed():
-        assert engine.linears._packs is None
+    with engine.cpu.linears.packed():
+        assert engine.cpu.linears._packs is None
     monkeypatch.delenv("MKL_CBWR")
     monkeypatch.setenv("SPARROW_PACKED_LINEAR", "0")
     assert not packed_linear.usable()

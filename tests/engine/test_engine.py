@@ -277,7 +277,7 @@ def test_compaction_order_keeps_rows_in_place_and_fills_holes_from_above():
 
 
 def test_a_cpu_engine_loads_the_kernel_when_made_so_a_first_build_stays_out_of_generate(llama, monkeypatch):
-    from sparrow.attention import cpu_kernel
+    from sparrow.cpu import kernel as cpu_kernel
 
     calls = []
     monkeypatch.setattr(cpu_kernel, "load", lambda: calls.append(1))

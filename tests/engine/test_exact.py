@@ -193,7 +193,7 @@ def test_exact_summary_refuses_completions_of_other_modes(llama):
 def test_the_compiled_span_step_equals_one_token_steps_at_head_dim_64():
     """The CPU kernel's span path (query rows of G heads x S tokens, the span's future cut) runs at head dims it
     compiles for (64, 128); the tiny models' 16 take the generic path, so this model has SmolLM2's head dim."""
-    from sparrow.attention import cpu_kernel
+    from sparrow.cpu import kernel as cpu_kernel
 
     if cpu_kernel.load() is None:
         pytest.skip("the CPU kernel cannot be built here")

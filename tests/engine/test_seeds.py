@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.attention import cpu_kernel
+from sparrow.cpu import kernel as cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine.sampling import UNIT_MAX, _unit, choose, gumbel_noise, hash32, sample, sequence_key
 from sparrow.errors import SparrowError

@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention import SparseConfig
 from sparrow.attention.kernels import decode_attention
 from sparrow.attention.kv_cache import KVCache
 from sparrow.attention.teacher_forced import sparse_completion_logits
+from sparrow.cpu import kernel as cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
 from sparrow.schedules import const, parse_schedule

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from sparrow.attention import SparseConfig, cpu_kernel
+from sparrow.attention import SparseConfig
+from sparrow.cpu import kernel as cpu_kernel
 from sparrow.vllm.paged import PageLandmarks, physical_pages, reference_decode
 from tests.rollout.test_vllm import _cpu_layout_cache
 
