@@ -280,7 +280,9 @@ def test_load_reward_builtins_module_and_file(tmp_path):
     [
         ("nonsense", "not a built-in"),
         ("no_such_module_xyz:f", "not found"),
-        ("/no/such/file.py:f", "does not exist"),
+        ("/no/such/file.py:f", "reward file '/no/such/file.py' does not exist"),
+        ("{loop}:f", "reward file '.*loop.py' is a symlink loop"),
+        ("{folder}:f", "reward file '.*folder.py' is a directory; expected a file"),
         ("sparrow.rewards.math:no_such_fn", "no attribute 'no_such_fn'"),
         ("{file}:missing", "no attribute 'missing'"),
         ("{file}:X", "not callable"),
@@ -289,8 +291,10 @@ def test_load_reward_builtins_module_and_file(tmp_path):
 def test_load_reward_errors(tmp_path, spec, message):
     path = tmp_path / "rewards_x.py"
     path.write_text("X = 3\n")
+    (tmp_path / "loop.py").symlink_to(tmp_path / "loop.py")
+    (tmp_path / "folder.py").mkdir()
     with pytest.raises(SparrowError, match=message):
-        load_reward(spec.format(file=path))
+        load_reward(spec.format(file=path, loop=tmp_path / "loop.py", folder=tmp_path / "folder.py"))
 
 
 # --- score ------------------------------------------------------------------------------------------------------

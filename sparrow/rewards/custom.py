@@ -9,6 +9,7 @@ import os
 import sys
 
 from sparrow.errors import SparrowError
+from sparrow.io import require_file
 from sparrow.rewards.answer import first_number_reward, number_f1_reward
 from sparrow.rewards.code import code_results
 from sparrow.rewards.math import math_reward
@@ -19,8 +20,7 @@ REWARDS = {"math": math_reward, "code": code_results, "first_number": first_numb
 
 def _import_file(path: str):
     """Import a .py file under a unique module name (registered, so pickling and dataclasses work)."""
-    if not os.path.isfile(path):
-        raise SparrowError(f"reward file {path!r} does not exist; expected a path to a .py file")
+    require_file(path, "reward file")
     real = os.path.realpath(path)
     stem = os.path.splitext(os.path.basename(real))[0]
     name = f"sparrow_reward_{stem}_{hashlib.sha1(real.encode()).hexdigest()[:10]}"

@@ -183,7 +183,8 @@ def test_report_compares_runs_with_plots(data, tmp_path):
 
 @pytest.mark.parametrize("path", ["examples/tiny.yaml", "examples/tiny-distill.yaml", "examples/qwen3-1.7b-gpu.yaml",
                                   "examples/smollm2-passkey.yaml", "examples/smollm2-distill.yaml",
-                                  "examples/smollm2-manifest.yaml", "examples/smollm2-longanswer.yaml"])
+                                  "examples/smollm2-manifest.yaml", "examples/smollm2-longanswer.yaml",
+                                  "examples/smollm2-code.yaml"])
 def test_the_example_configs_name_only_known_options(path):
     import yaml
 
