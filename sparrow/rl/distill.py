@@ -31,7 +31,7 @@ from sparrow.schedules import Schedule
 from sparrow.typed_config import check_int, option
 
 from .activation_checkpointing import checkpointed_layers
-from .losses import FULL_KL_DIRECTIONS, accumulation_share, full_kl, kl_penalty, policy_loss
+from .losses import FULL_KL_DIRECTIONS, accumulation_share, check_mask, full_kl, kl_penalty, policy_loss, read_floats
 
 DISTILL_KL_MODES = ("k3", *FULL_KL_DIRECTIONS)
 
@@ -146,9 +146,9 @@ class Distiller:
                 "aggregation": grpo.loss_aggregation}
         rows = torch.arange(batch.input_ids.shape[0])
         actor = functools.partial(sparse_completion_logits, schedule=schedule, sparse=self.sparse)
+        check_mask(batch.mask)  # once: the pieces' losses read nothing from the device
         tokens = batch.mask.sum()
-        totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0}
-        diffs = []
+        parts, diffs = [], []  # (metric, value * share) of each piece, read once after the last
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         with _frozen(self.base), checkpointed_layers(self.model, grpo.gradient_checkpointing):
@@ -159,24 +159,32 @@ class Distiller:
                 logp = piece_logprobs(logits, batch, piece, span, temperature)
                 ppo, _ = policy_loss(grpo.policy_loss, logp, batch.rollout_logprobs[piece], advantages[piece], mask,
                                      **clip)
-                if self.cfg.kl == "k3":
-                    kl = kl_penalty(logp, logp_old[piece], "k3")[valid].mean()
-                else:
-                    with torch.no_grad(), self.dense():
-                        dense_logits, _ = piece_logits(self.model, batch, piece)
-                    inside = batch.mask[piece, span].bool()
-                    kl = full_kl(logits[inside], dense_logits[inside], self.cfg.kl, temperature).mean()
+                kl = self._kl(batch, piece, span, logits, logp, logp_old[piece])
                 loss = ppo + self.cfg.kl_lambda * kl
                 share = accumulation_share(mask, tokens, len(piece), len(rows), grpo.loss_aggregation)
                 (loss * share).backward()
-                for name, value in (("loss", loss), ("ppo_loss", ppo), ("kl", kl)):
-                    totals[name] += float(value.detach() * share)
+                parts += [(name, value.detach() * share) for name, value in (("loss", loss), ("ppo_loss", ppo),
+                                                                             ("kl", kl))]
                 diffs.append((logp.detach() - logp_old[piece])[valid].abs())
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, grpo.max_grad_norm))
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # stale adapter grads must not reach the policy's grad clip
         self.model.eval()
+        totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0}
+        for (name, _), value in zip(parts, read_floats([part for _, part in parts])):
+            totals[name] += value
         return {**{f"distill/{name}": value for name, value in totals.items()},
                 "distill/grad_norm": grad_norm,
                 "distill/logp_difference_mean": float(torch.cat(diffs).mean()),
                 "time/distill_s": time.perf_counter() - clock}
+
+    def _kl(self, batch: RolloutBatch, piece: torch.Tensor, span: slice, logits: torch.Tensor, logp: torch.Tensor,
+            logp_old: torch.Tensor) -> torch.Tensor:
+        """L_KL of a piece (token mean): k3 against the recompute's dense `logp_old`, or the exact KL against the
+        dense logits of a no-grad forward with the adapter off."""
+        if self.cfg.kl == "k3":
+            return kl_penalty(logp, logp_old, "k3")[batch.mask[piece].bool()].mean()
+        with torch.no_grad(), self.dense():
+            dense_logits, _ = piece_logits(self.model, batch, piece)
+        inside = batch.mask[piece, span].bool()
+        return full_kl(logits[inside], dense_logits[inside], self.cfg.kl, batch.temperature).mean()

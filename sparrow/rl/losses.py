@@ -8,6 +8,8 @@ same tokens. Every choice a config makes (advantage estimator and its group std,
 aggregation, KL estimator, the full-vocabulary KL direction of DistillSparse) is looked up by name in a registry
 dict, so a config can be validated against `tuple(REGISTRY)` before a run starts.
 Log-probs are per token, shape [B, T]; `mask` marks valid (response) tokens with 1/True.
+The policy losses read nothing from the device: their metrics are 0-d tensors, and the mask's values, which only a
+host read can check, are checked once per update by the caller (`check_mask`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,14 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.float() if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _check_mask(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as a bool tensor; it must hold only 0/1 (or be bool) and mark at least one token."""
+def _as_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as a bool tensor, without reading it."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as a bool tensor; it must hold only 0/1 (or be bool) and mark at least one token. Reads the device,
+    so an update checks its whole mask once, before its micro-batches (the losses do not check it)."""
     if mask.dtype != torch.bool:
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
@@ -143,7 +151,7 @@ def tis_stats(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Te
     _check_cap(cap)
     ratio = _tis_ratio(logp_old, logp_rollout)
     _check_same_shape(logp_old=logp_old, mask=mask)
-    valid = ratio[_check_mask(mask)]
+    valid = ratio[check_mask(mask)]
     return {"ratio_min": valid.min().item(), "ratio_mean": valid.mean().item(), "ratio_max": valid.max().item(),
             "frac_above_cap": int((valid > cap).sum()) / valid.numel()}
 
@@ -173,7 +181,7 @@ LOSS_AGGREGATIONS = {
 def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   weights: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
                   dual_clip: float | None = 3.0, aggregation: str = "token-mean") -> tuple[torch.Tensor, dict]:
-    """Asymmetric PPO-clip policy loss with dual clip and TIS weights; returns (scalar loss, metrics of floats).
+    """Asymmetric PPO-clip policy loss with dual clip and TIS weights; returns (scalar loss, metrics as 0-d tensors).
 
     Per token, r = exp(logp - logp_old) and surrogate = min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); for
     A < 0 the dual clip bounds it below by dual_clip * A (loss at most -dual_clip * A) so a token with a huge
@@ -183,6 +191,7 @@ def ppo_clip_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.
     Metrics (over valid tokens): clip_frac = clip_frac_low (A < 0, r < 1 - clip_low) + clip_frac_high (A > 0,
     r > 1 + clip_high), dual_clip_frac, ratio_mean, approx_kl = mean 0.5 * (logp - logp_old)^2.
     Values at masked positions are ignored (padding may hold anything); the log-ratio is clamped to +-20 as in verl.
+    `mask` is not checked here (`check_mask`, once per update).
     """
     adv, valid = _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip_high, dual_clip,
                                     aggregation)
@@ -211,8 +220,8 @@ def gspo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
 
 def _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip_high, dual_clip,
                        aggregation) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks every policy loss makes; returns (advantages [B, 1] or [B, T] as floats, zero where masked;
-    the valid-token mask)."""
+    """The checks every policy loss makes, none of which reads the device; returns (advantages [B, 1] or [B, T] as
+    floats, zero where masked; the valid-token mask)."""
     _check_name(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
     for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
         if not value >= 0:
@@ -229,14 +238,15 @@ def _check_loss_inputs(logp, logp_old, advantages, mask, weights, clip_low, clip
     elif advantages.shape != logp.shape:
         raise SparrowError(f"advantages have shape {tuple(advantages.shape)}: expected [{logp.shape[0]}] "
                            f"(per sequence) or {list(logp.shape)} (per token)")
-    valid = _check_mask(mask)
+    valid = _as_mask(mask)
     return torch.where(valid, _as_float(advantages).detach(), 0.0), valid
 
 
 def _clipped_loss(log_ratio, token_log_ratio, adv, valid, weights, clip_low, clip_high, dual_clip,
                   aggregation) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate of ratio r = exp(log_ratio) (zero where masked), its aggregation and metrics;
-    approx_kl is of the per-token `token_log_ratio`."""
+    approx_kl is of the per-token `token_log_ratio`. The metrics stay on the device (0-d tensors, the fractions
+    in float64 as `int(count) / n` would give them) for the caller to read once (`read_floats`)."""
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     dual = torch.zeros_like(valid)
@@ -251,12 +261,19 @@ def _clipped_loss(log_ratio, token_log_ratio, adv, valid, weights, clip_low, cli
         r = ratio[valid]
         a = adv.expand_as(ratio)[valid]
         n = r.numel()
-        low = int(((a < 0) & (r < 1 - clip_low)).sum()) / n
-        high = int(((a > 0) & (r > 1 + clip_high)).sum()) / n
+        low = ((a < 0) & (r < 1 - clip_low)).sum().double() / n
+        high = ((a > 0) & (r > 1 + clip_high)).sum().double() / n
         metrics = {"clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
-                   "dual_clip_frac": int(dual.expand_as(ratio)[valid].sum()) / n, "ratio_mean": r.mean().item(),
-                   "approx_kl": (0.5 * token_log_ratio[valid] ** 2).mean().item()}
+                   "dual_clip_frac": dual.expand_as(ratio)[valid].sum().double() / n, "ratio_mean": r.mean(),
+                   "approx_kl": (0.5 * token_log_ratio[valid] ** 2).mean()}
     return total, metrics
+
+
+def read_floats(values: list[torch.Tensor]) -> list[float]:
+    """0-d tensors (losses, metrics) as floats, in one read of the device; float64 holds each value exactly."""
+    if not values:
+        return []
+    return torch.stack([v.detach().double() for v in values]).tolist()
 
 
 def accumulation_share(mask: torch.Tensor, tokens: torch.Tensor, rows: int, total_rows: int,

@@ -36,7 +36,8 @@ from sparrow.schedules import DENSE, Schedule
 from .activation_checkpointing import checkpointed_layers
 from .config import StepConfig
 from .dense import old_policy_from_update, recompute_forwards, reference_logprobs, update_forwards
-from .losses import accumulation_share, compute_advantages, kl_penalty, policy_loss, tis_weights
+from .losses import (accumulation_share, check_mask, compute_advantages, kl_penalty, policy_loss, read_floats,
+                     tis_weights)
 from .monitor import Monitor, free_monitor, monitored
 from .step_state import Clock, Policy, StepBatch
 
@@ -118,19 +119,24 @@ def recompute(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0)
 
 @dataclass
 class _Totals:
-    """What the update's mini-batches add up to, for its metrics."""
+    """What the update's mini-batches add up to, for its metrics. The micro-batches' clip statistics and KL values
+    stay on the device (0-d tensors) until `metrics` reads them all at once."""
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     clip_stats: list[dict] = field(default_factory=list)
-    kl_values: list[float] = field(default_factory=list)
+    kl_values: list = field(default_factory=list)
     skipped: int = 0
 
     def metrics(self, optimizer: torch.optim.Optimizer) -> dict:
-        n, clip = max(len(self.clip_stats), 1), self.clip_stats
+        keys = ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac")
+        values = iter(read_floats([s[k] for s in self.clip_stats for k in keys] + self.kl_values))
+        clip = [dict(zip(keys, values)) for _ in self.clip_stats]
+        kl_values = list(values)
+        n = max(len(clip), 1)
         return {
             "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
-            **({"kl": sum(self.kl_values) / len(self.kl_values)} if self.kl_values else {}),
+            **({"kl": sum(kl_values) / len(kl_values)} if kl_values else {}),
             "grad_norm": max(self.grad_norms) if self.grad_norms else float("nan"),
             "update/skipped_mini_batches": self.skipped,
             "clip_ratio": sum(s["clip_frac"] for s in clip) / n,
@@ -149,6 +155,7 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
     if fused:
         step.weights = torch.zeros_like(step.logp_old)
     totals = _Totals()
+    check_mask(batch.mask)  # once: the losses of the micro-batches read nothing from the device
     with Clock(step, "update"):
         policy.model.train()
         with policy.dense(), checkpointed_layers(policy.model, grpo.gradient_checkpointing):
@@ -168,9 +175,10 @@ def update(policy: Policy, step: StepBatch, cfg: StepConfig, number: int = 0) ->
 
 def _accumulate(policy: Policy, step: StepBatch, cfg: StepConfig, mini: torch.Tensor, fused: bool,
                 totals: _Totals) -> float:
-    """One mini-batch's gradient, accumulated over its micro-batches; returns its loss."""
+    """One mini-batch's gradient, accumulated over its micro-batches; returns its loss, read from the device once
+    after the last micro-batch (the micro-batches' losses added in order as floats)."""
     grpo, batch = cfg.grpo, step.batch
-    tokens, mini_loss = batch.mask[mini].sum(), 0.0
+    tokens, parts = batch.mask[mini].sum(), []
     for micro, logp in update_forwards(policy, step, cfg, mini, fused):
         loss, stats = policy_loss(grpo.policy_loss, logp, step.logp_old[micro], step.advantages[micro],
                                   batch.mask[micro], weights=step.weights[micro],
@@ -180,11 +188,14 @@ def _accumulate(policy: Policy, step: StepBatch, cfg: StepConfig, mini: torch.Te
             kl = kl_penalty(logp, step.logp_ref[micro], grpo.kl_estimator)
             kl = (kl * batch.mask[micro]).sum() / batch.mask[micro].sum().clamp(min=1)
             loss = loss + grpo.kl_coef * kl
-            totals.kl_values.append(float(kl.detach()))
+            totals.kl_values.append(kl.detach())
         share = accumulation_share(batch.mask[micro], tokens, len(micro), len(mini), grpo.loss_aggregation)
         (loss * share).backward()
-        mini_loss += float(loss.detach() * share)
+        parts.append(loss.detach() * share)
         totals.clip_stats.append(stats)
+    mini_loss = 0.0
+    for part in read_floats(parts):
+        mini_loss += part
     return mini_loss
 
 
