@@ -24,7 +24,17 @@ def run_entry(seed_dir: Path, arm: str) -> dict:
     return {"arm": arm, "seed": int(seed_dir.name.removeprefix("seed")), "steps": len(rows),
             "heldout_reward": held["mean@2"], "heldout_per_prompt": held["per_example_mean"],
             "rollout_s": statistics.median(r["time/rollout_s"] for r in rows),
-            "step_s": statistics.median(r["time/step_s"] for r in rows)}
+            "step_s": statistics.median(r["time/step_s"] for r in rows),
+            "reward_per_step": [r["reward/mean"] for r in rows], "tail": [step_tail(r) for r in rows]}
+
+
+def step_tail(row: dict) -> dict:
+    """Per monitored length bin of one step: its p5, the budget it ran at, the move (+1 up, -1 down) and the budget
+    of the next step (adaptive runs; empty otherwise)."""
+    bins = sorted(int(k.split("/")[1][4:]) for k in row if k.startswith("adaptive/bin_") and k.endswith("/p5"))
+    return {"step": row["step"], "bins": [
+        {"bin": b, **{key: row[f"adaptive/bin_{b}/{key}"] for key in ("p5", "p5_low", "p5_high", "tokens", "budget",
+                                                                       "move", "next_budget")}} for b in bins]}
 
 
 def pooled(runs: list[dict]) -> list[dict]:
