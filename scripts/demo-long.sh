@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The long-answer demo, where Sparrow is meant to pay: GRPO on SmolLM2-135M-Instruct and the long-answer task
 # (examples/longanswer-prompts.yaml: ~3.4K-token prompts, answers of up to ~1.3K tokens copying a 128-code manifest,
-# temperature 1, top-p 0.9), so decode is most of a rollout. Two steps on sparse rollouts at the calibrated schedule
-# (examples/smollm2-longanswer.yaml), the same two on dense rollouts, then one report whose "step speed vs dense"
-# is the whole training step's. 30-50 minutes on 2 CPU cores; each step prints a line, and on a terminal
-# its rollouts show a progress bar.
+# temperature 1, top-p 0.9), so decode is most of a rollout. Two steps on sparse rollouts at the paper's rule
+# (examples/smollm2-longanswer.yaml: the adaptive schedule from the tau-0.86 calibration, the tail measured every
+# step), the same two on dense rollouts, then one report whose "step speed vs dense" is the whole training step's.
+# 30-60 minutes on 2 CPU cores; each step prints a line, and on a terminal its rollouts show a progress bar.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
