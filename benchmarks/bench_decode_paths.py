@@ -1,7 +1,9 @@
 """Decode step time of the native engine's code paths, measured alternately in one process: dense attention through
 PyTorch's SDPA or the compiled kernel (SPARROW_CPU_KERNEL), linear layers through MKL or oneDNN-packed weights
 (SPARROW_PACKED_LINEAR), decoder layers as transformers' or fused (SPARROW_FUSED_LAYERS), for a dense and a sparse
-schedule, at one or more (cached tokens, batch) shapes.
+schedule, at one or more (cached tokens, batch) shapes. The prefill and the alternated decode timing are
+`sparrow bench`'s (sparrow/bench.py: `prefilled`, `time_alternated`); what this script adds is switching the code
+paths between the timed runs, which `sparrow bench` (one configuration of paths per process) does not.
 
     .venv/bin/python benchmarks/bench_decode_paths.py --shapes 1100x16,4700x8,8000x8 --schedule "0:512, 3584:1024"
 
@@ -24,6 +26,14 @@ CONFIGS = [("dense sdpa+mkl", "dense", "0", "0", "0"), ("dense kernel+mkl", "den
            ("dense kernel+packed", "dense", "1", "1", "0"), ("dense kernel+packed+fused", "dense", "1", "1", "1"),
            ("sparse mkl", "sparse", "1", "0", "0"), ("sparse packed", "sparse", "1", "1", "0"),
            ("sparse packed+fused", "sparse", "1", "1", "1")]
+WARMUP = 2  # untimed decode steps before every timed one: the paths switch between them
+
+
+def use_paths(name: str) -> None:
+    """The code paths of configuration `name`, for the engine's next decode step."""
+    _, _, kernel, packed, fused = next(config for config in CONFIGS if config[0] == name)
+    os.environ["SPARROW_CPU_KERNEL"], os.environ["SPARROW_PACKED_LINEAR"] = kernel, packed
+    os.environ["SPARROW_FUSED_LAYERS"] = fused
 
 
 def main() -> None:
@@ -37,7 +47,7 @@ def main() -> None:
 
     import torch
 
-    from sparrow.bench import machine_info, time_decode
+    from sparrow.bench import cache_tokens, machine_info, prefilled, time_alternated
     from sparrow.engine import RolloutEngine
     from sparrow.models import load_model
     from sparrow.schedules import DENSE, parse_schedule
@@ -48,17 +58,12 @@ def main() -> None:
     print(json.dumps({"machine": machine_info(engine.device), "schedule": args.schedule}), flush=True)
     for shape in args.shapes.split(","):
         context, batch = (int(x) for x in shape.split("x"))
-        prompt = torch.randint(0, 49000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-        cache = engine.new_cache(batch, context + (args.steps + 2) * (args.repeats + 1))
-        logits = engine.prefill(cache, prompt, torch.arange(batch)).expand(batch, -1)
-        times = {name: [] for name, *_ in CONFIGS}
-        for _ in range(args.repeats):
-            for name, kind, kernel, packed, fused in CONFIGS:
-                os.environ["SPARROW_CPU_KERNEL"], os.environ["SPARROW_PACKED_LINEAR"] = kernel, packed
-                os.environ["SPARROW_FUSED_LAYERS"] = fused
-                seconds = time_decode(engine, cache.clone(), logits, schedules[kind], args.steps, 2)
-                times[name].append(1000 * seconds / args.steps)
-        ms = {name: statistics.median(t) for name, t in times.items()}
+        prompt = torch.randint(0, 49000, (1, context), generator=torch.Generator().manual_seed(0))
+        tokens = cache_tokens(context, WARMUP, args.steps)
+        cache, logits, _ = prefilled(engine, prompt, batch, tokens, log=lambda _: None)
+        times = time_alternated(engine, cache, logits, {name: schedules[kind] for name, kind, *_ in CONFIGS},
+                                args.steps, WARMUP, args.repeats, rewarm=WARMUP, setup=use_paths)
+        ms = {name: 1000 * statistics.median(t) / args.steps for name, t in times.items()}
         for name, value in ms.items():
             print(json.dumps({"context": context, "batch": batch, "config": name, "ms_per_step": round(value, 1)}),
                   flush=True)
@@ -76,9 +81,9 @@ def main() -> None:
             for name in prefill:
                 os.environ["SPARROW_PACKED_LINEAR"] = "0" if name == "mkl" else "1"
                 with engine.frozen_weights():
-                    engine.prefill(cache, prompt[:64], torch.arange(batch))  # untimed: makes the packs
+                    engine.prefill(cache, prompt[0, :64].tolist(), torch.arange(batch))  # untimed: makes the packs
                     began = time.perf_counter()
-                    engine.prefill(cache, prompt, torch.arange(batch))
+                    engine.prefill(cache, prompt[0].tolist(), torch.arange(batch))
                     prefill[name].append(time.perf_counter() - began)
         print(json.dumps({"context": context, **{f"prefill_s_{name}": round(statistics.median(t), 2)
                                                   for name, t in prefill.items()}}), flush=True)

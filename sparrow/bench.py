@@ -119,27 +119,51 @@ def _time_hf(model, prompt: torch.Tensor, batch: int, steps: int, repeats: int) 
         inner.set_attn_implementation(previous)
 
 
-def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch: int, steps: int = 32,
-                  warmup: int = 4, repeats: int = 3, hf: bool = True, seed: int = 0, log=print) -> BenchResult:
-    """Tokens/s of dense and sparse decode (and transformers' generate) at `context` cached tokens."""
+def random_prompt(engine: RolloutEngine, context: int, seed: int = 0) -> torch.Tensor:
+    """[1, context] random token ids of the model's vocabulary, on the engine's device."""
     vocab = base_model(engine.model).config.vocab_size
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(engine.device)
-    tokens = cache_tokens(context, warmup, steps)
+    return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(engine.device)
+
+
+def prefilled(engine: RolloutEngine, prompt: torch.Tensor, batch: int, tokens: int, log=print):
+    """(cache, logits [batch, V], seconds): `prompt` [1, context] prefilled once for `batch` rows of a cache of
+    `tokens` tokens per row (refused where it does not fit the device)."""
+    context = prompt.shape[1]
     check_kv_cache_fits(base_model(engine.model).config, engine.dtype, engine.device, batch, tokens)
     cache = engine.new_cache(batch, tokens)
     log(f"prefill: {context} tokens shared by {batch} rows")
     start = time.perf_counter()
     logits = engine.prefill(cache, prompt[0].tolist(), torch.arange(batch, device=engine.device))
     _sync(engine.device)
-    prefill_s = time.perf_counter() - start
-    logits = logits.expand(batch, -1)
-    configs = {"dense": DENSE, "sparse": schedule}
-    times = {name: [] for name in configs}
-    for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows both alike
-        for name, sched in configs.items():
-            times[name].append(time_decode(engine, cache.clone(), logits, sched, steps, warmup if r == 0 else 1))
-        log(f"repeat {r + 1}/{repeats}: {steps} decode steps x {batch} rows, "
-            + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items()))
+    return cache, logits.expand(batch, -1), time.perf_counter() - start
+
+
+def time_alternated(engine: RolloutEngine, cache, logits, schedules: dict[str, Schedule], steps: int, warmup: int,
+                    repeats: int, rewarm: int = 1, setup=None, log=None) -> dict[str, list[float]]:
+    """Seconds of `steps` decode steps per repeat of each named schedule, from a copy of the prefilled `cache`,
+    alternated, so that a machine slowing down mid-run slows all alike: `warmup` untimed steps before each one's
+    first repeat, `rewarm` before later ones. `setup(name)` runs before each (bench_decode_paths.py switches the
+    engine's code paths there); `log` gets one line per repeat."""
+    times = {name: [] for name in schedules}
+    for r in range(repeats):
+        for name, schedule in schedules.items():
+            if setup is not None:
+                setup(name)
+            warm = warmup if r == 0 else rewarm
+            times[name].append(time_decode(engine, cache.clone(), logits, schedule, steps, warm))
+        if log is not None:
+            log(f"repeat {r + 1}/{repeats}: {steps} decode steps x {cache.rows} rows, "
+                + ", ".join(f"{name} {t[-1]:.1f}s" for name, t in times.items()))
+    return times
+
+
+def run_benchmark(engine: RolloutEngine, schedule: Schedule, context: int, batch: int, steps: int = 32,
+                  warmup: int = 4, repeats: int = 3, hf: bool = True, seed: int = 0, log=print) -> BenchResult:
+    """Tokens/s of dense and sparse decode (and transformers' generate) at `context` cached tokens."""
+    prompt = random_prompt(engine, context, seed)
+    cache, logits, prefill_s = prefilled(engine, prompt, batch, cache_tokens(context, warmup, steps), log)
+    times = time_alternated(engine, cache, logits, {"dense": DENSE, "sparse": schedule}, steps, warmup, repeats,
+                            log=log)
     rates = {name: batch * steps / statistics.median(t) for name, t in times.items()}
     for name, t in times.items():
         log(f"{name:>6}: {rates[name]:8.1f} tokens/s  ({1000 * statistics.median(t) / steps:.1f} ms/step)")
