@@ -27,6 +27,7 @@ truncation, Sparrow's TIS, unless the user chose a mode; logged), and the length
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -44,7 +45,8 @@ from sparrow.vllm.env import FOLLOW, environment_for
 from .config import SparrowConfig
 from .monitor import gather_rows, measure, rollout_batch, verdict
 from .schedule_file import RunTimeSchedule, SparseCoverage
-from .trl_exact import DraftCounters, exact_engine, plain_engine
+from .trl_cpu import float32_eager, on_cpu, reload_sync
+from .trl_exact import DraftCounters, exact_llm
 
 __all__ = ["SparrowConfig", "SparrowGRPOTrainer"]
 
@@ -138,8 +140,7 @@ def max_model_length(model, args: GRPOConfig) -> int:
 
 def configure_plugin(config: SparrowConfig, path: Path, mode: str) -> None:
     """Colocate mode: this process's vLLM follows `path` (the plugin is registered again if vLLM had loaded its
-    plugins before the variable was set), on CPU with TRL patched for vLLM's CPU build (trl_cpu.py), in exact mode
-    with TRL's engine built for it (trl_exact.py)."""
+    plugins before the variable was set)."""
     if mode != "colocate":
         if config.exact:
             raise SparrowError(f"SparrowConfig(rollout_mode='exact') runs in TRL's colocate mode (vllm_mode="
@@ -152,15 +153,33 @@ def configure_plugin(config: SparrowConfig, path: Path, mode: str) -> None:
 
     from sparrow.vllm import plugin
 
-    from .trl_cpu import adapt_trl_to_vllm_cpu
-
     if vllm.plugins.plugins_loaded:
         plugin.register()
-    adapt_trl_to_vllm_cpu()
+
+
+@contextlib.contextmanager
+def colocated_engine(config: SparrowConfig, mode: str):
+    """Colocate mode, while TRL builds the trainer's engine: TRL's `LLM` builds it in float32 and eager on vLLM's
+    CPU build (trl_cpu.py) and drafting in exact mode (trl_exact.py). TRL's own `LLM` is back on exit, so other
+    engines and trainers in the process (a plain TRL one, a sparse one after an exact one) get TRL's. Yields
+    whether the engine's weight sync must go through vLLM's `reload_weights` (`trl_cpu.reload_sync`): on CPU,
+    and in exact mode for the drafter's copy."""
+    if mode != "colocate":
+        yield False
+        return
+    from trl.generation import vllm_generation
+
+    original = build = vllm_generation.LLM
+    cpu = on_cpu()
+    if cpu:
+        build = float32_eager(build)
     if config.exact:
-        exact_engine(config.draft_tokens)
-    else:
-        plain_engine()
+        build = exact_llm(build, config.draft_tokens)
+    vllm_generation.LLM = build
+    try:
+        yield cpu or config.exact
+    finally:
+        vllm_generation.LLM = original
 
 
 class SparrowGRPOTrainer(GRPOTrainer):
@@ -196,7 +215,10 @@ class SparrowGRPOTrainer(GRPOTrainer):
                      "policy's samples, so the importance weights are 1 (TRL's correction leaves them so) and no "
                      "rollout is teacher-forced: the logs carry what the verifications kept", self.sparrow.schedule,
                      self.sparrow.draft_tokens)
-        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        with colocated_engine(self.sparrow, args.vllm_mode) as reload:
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        if reload:
+            reload_sync(self.vllm_generation)
         self._sparrow_engine_length()
         self.sparrow_coverage = SparseCoverage(self.sparrow, self.sparrow_schedule.max_length)
 

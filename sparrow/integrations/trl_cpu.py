@@ -1,9 +1,11 @@
-"""What TRL's colocated vLLM engine needs on vLLM's CPU build (TRL 1.16, vLLM 0.32); applied only on CPU.
+"""What TRL's colocated vLLM engine needs on vLLM's CPU build (TRL 1.16, vLLM 0.32); applied only on CPU, and only to
+the Sparrow trainer's own engine (trl.py's `colocated_engine`): TRL's `LLM` and `VLLMGeneration` are left as TRL
+has them for every other engine and trainer in the process.
 
-1. `float32_eager_engine`: TRL builds `LLM(model=...)` with the checkpoint's dtype and vLLM's default compilation.
+1. `float32_eager`: TRL builds `LLM(model=...)` with the checkpoint's dtype and vLLM's default compilation.
    On CPU vLLM runs a float32 checkpoint in bfloat16 and compiles the model with torch.compile (minutes, and
    Sparrow's compiled paged CPU kernel is float32 only), so the engine is built in float32, eager.
-2. `reload_weight_sync`: TRL's colocated weight sync calls the model's `load_weights` with each parameter.
+2. `reload_sync`: TRL's colocated weight sync calls the model's `load_weights` with each parameter.
    vLLM's CPU build repacks linear weights after loading (for its GEMM kernels), and `load_weights` into the
    repacked layers fails, so the weights go through vLLM's `reload_weights`, which loads and repacks again, with
    the weights given (TRL's PEFT merge and name fixes kept: `_iter_named_params`). The prefix cache is reset as
@@ -14,14 +16,19 @@
 from __future__ import annotations
 
 import functools
+import types
 
 
-def float32_eager_engine() -> None:
-    import vllm
-    from trl.generation import vllm_generation
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU build."""
+    from vllm.platforms import current_platform
 
-    if not isinstance(vllm_generation.LLM, functools.partial):
-        vllm_generation.LLM = functools.partial(vllm.LLM, dtype="float32", enforce_eager=True)
+    return current_platform.is_cpu()
+
+
+def float32_eager(build):
+    """TRL's `LLM` (`build`) building its engine in float32, eager."""
+    return functools.partial(build, dtype="float32", enforce_eager=True)
 
 
 def trl_vllm_name(generation, name: str) -> str:
@@ -31,27 +38,16 @@ def trl_vllm_name(generation, name: str) -> str:
     return generation._fix_param_name_to_vllm(name, extra_prefixes=["modules_to_save.default."])
 
 
-def reload_weight_sync() -> None:
-    from trl.generation import vllm_generation
-
+def _sync_weights(self) -> None:
     from sparrow.vllm.weights import reload, tied_aliases, with_tied_aliases
 
-    def sync_weights(self) -> None:
-        aliases = tied_aliases(self.model.named_parameters(remove_duplicate=False),
-                               functools.partial(trl_vllm_name, self))
-        weights = ((name, param.float()) for name, param in self._iter_named_params())
-        reload(self.llm, with_tied_aliases(weights, aliases))
-        self.llm.reset_prefix_cache()
-
-    vllm_generation.VLLMGeneration.sync_weights = sync_weights
+    aliases = tied_aliases(self.model.named_parameters(remove_duplicate=False), functools.partial(trl_vllm_name, self))
+    weights = ((name, param.float()) for name, param in self._iter_named_params())
+    reload(self.llm, with_tied_aliases(weights, aliases))
+    self.llm.reset_prefix_cache()
 
 
-def adapt_trl_to_vllm_cpu() -> bool:
-    """Both patches when vLLM runs on CPU; returns whether it does."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    float32_eager_engine()
-    reload_weight_sync()
-    return True
+def reload_sync(generation) -> None:
+    """The weight sync of this one TRL `VLLMGeneration` through vLLM's `reload_weights` (an attribute of the
+    instance: TRL's class keeps its own `sync_weights`)."""
+    generation.sync_weights = types.MethodType(_sync_weights, generation)

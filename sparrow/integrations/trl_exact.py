@@ -1,10 +1,11 @@
 """Exact mode in TRL's colocated vLLM engine (`SparrowConfig(rollout_mode="exact")`).
 
-TRL builds `LLM(model=...)` itself; `exact_engine` has it built with Sparrow's speculative configuration (the policy
+TRL builds `LLM(model=...)` itself; `exact_llm` has it built with Sparrow's speculative configuration (the policy
 as its own draft model, sparrow/vllm/exact_mode.py) and vLLM's statistics on, which `DraftCounters` reads: vLLM
 keeps the drafts' distributions inside, so what the verifications kept is the monitor. TRL's weight sync loads
 the target model only, so the drafter's copy would keep the old weights: the sync goes through vLLM's
-`reload_weights` for both (`trl_cpu.reload_weight_sync`, on every platform).
+`reload_weights` for both (`trl_cpu.reload_sync`, on every platform). Both only for the trainer's own engine
+(trl.py's `colocated_engine`).
 """
 
 from __future__ import annotations
@@ -13,36 +14,16 @@ import functools
 
 from sparrow.vllm.exact_mode import speculative_config
 
-EXACT_MARK = "_sparrow_exact_engine"
 
+def exact_llm(build, draft_tokens: int):
+    """TRL's `LLM` (`build`) building its engine in exact mode, drafting `draft_tokens`."""
 
-def exact_engine(draft_tokens: int) -> None:
-    """TRL's `LLM` builds engines in exact mode drafting `draft_tokens`, and syncs weights into the drafter too."""
-    from trl.generation import vllm_generation
+    @functools.wraps(build)
+    def llm(*args, model, **kwargs):
+        return build(*args, model=model, speculative_config=speculative_config(str(model), draft_tokens),
+                     disable_log_stats=False, **kwargs)
 
-    from .trl_cpu import reload_weight_sync
-
-    build = vllm_generation.LLM
-    if getattr(build, EXACT_MARK, None) != draft_tokens:
-        inner = getattr(build, "__wrapped__", build) if getattr(build, EXACT_MARK, None) else build
-
-        @functools.wraps(inner)
-        def llm(*args, model, **kwargs):
-            return inner(*args, model=model, speculative_config=speculative_config(str(model), draft_tokens),
-                         disable_log_stats=False, **kwargs)
-
-        setattr(llm, EXACT_MARK, draft_tokens)
-        vllm_generation.LLM = llm
-    reload_weight_sync()
-
-
-def plain_engine() -> None:
-    """TRL's `LLM` as it was before `exact_engine` (a sparse trainer after an exact one in the same process)."""
-    from trl.generation import vllm_generation
-
-    build = vllm_generation.LLM
-    if getattr(build, EXACT_MARK, None):
-        vllm_generation.LLM = build.__wrapped__
+    return llm
 
 
 class DraftCounters:

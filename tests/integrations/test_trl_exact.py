@@ -55,21 +55,60 @@ def test_trls_weight_sync_reaches_the_drafter(exact_run):
     assert torch.equal(target, trained) and torch.equal(drafter, trained)
 
 
-def test_a_sparse_trainer_after_an_exact_one_gets_trls_plain_engine(monkeypatch):
+def test_trls_classes_are_trls_own_once_the_trainer_is_built(exact_run):
+    """The exact (and CPU) engine is the trainer's alone: TRL's `LLM` and `VLLMGeneration.sync_weights` are TRL's
+    again once it is built, its own engine syncs through vLLM's `reload_weights`."""
+    import vllm
+    from trl.generation import vllm_generation
+
+    from sparrow.integrations import trl_cpu
+
+    trainer, _ = exact_run
+    assert vllm_generation.LLM is vllm.LLM
+    assert vllm_generation.VLLMGeneration.sync_weights.__module__ == "trl.generation.vllm_generation"
+    assert trainer.vllm_generation.sync_weights.__func__ is trl_cpu._sync_weights
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_the_engine_is_built_as_sparrow_needs_and_trls_llm_comes_back_unstacked(monkeypatch, cpu):
+    """Exact, exact again, then sparse, as trainers built one after another in one process: each builds its engine
+    from TRL's own `LLM` (an exact engine's drafting is given once, a sparse one after it drafts nothing), and TRL's
+    `LLM` is back after each, after a failed build too; server mode leaves it alone."""
     pytest.importorskip("trl")
     from trl.generation import vllm_generation
 
-    from sparrow.integrations.trl_exact import exact_engine, plain_engine
+    import sparrow.integrations.trl as trl_module
 
     def original(*args, **kwargs):
         return kwargs
 
     monkeypatch.setattr(vllm_generation, "LLM", original)
-    monkeypatch.setattr(vllm_generation.VLLMGeneration, "sync_weights", vllm_generation.VLLMGeneration.sync_weights)
-    exact_engine(3)
-    built = vllm_generation.LLM(model="/m", dtype="float32")
-    assert built["speculative_config"]["num_speculative_tokens"] == 3 and built["model"] == "/m"
-    exact_engine(2)  # wrapped once, with the new length
-    assert vllm_generation.LLM(model="/m")["speculative_config"]["num_speculative_tokens"] == 2
-    plain_engine()
+    monkeypatch.setattr(trl_module, "on_cpu", lambda: cpu)
+    exact = SparrowConfig(schedule="const:64", rollout_mode="exact", draft_tokens=3)
+    for config in (exact, exact, SparrowConfig(schedule="const:64")):
+        with trl_module.colocated_engine(config, "colocate") as reload:
+            built = vllm_generation.LLM(model="/m")
+        assert vllm_generation.LLM is original and reload == (cpu or config.exact)
+        assert built["model"] == "/m" and (built.get("dtype"), built.get("enforce_eager")) == (
+            ("float32", True) if cpu else (None, None))
+        drafts = built.get("speculative_config", {}).get("num_speculative_tokens")
+        assert drafts == (3 if config.exact else None)
+    with pytest.raises(RuntimeError), trl_module.colocated_engine(exact, "colocate"):
+        raise RuntimeError("TRL failed to build its engine")
     assert vllm_generation.LLM is original
+    with trl_module.colocated_engine(exact, "server") as reload:
+        assert vllm_generation.LLM is original and not reload
+
+
+def test_the_reload_sync_is_one_engines_own():
+    pytest.importorskip("trl")
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from sparrow.integrations import trl_cpu
+
+    trls = VLLMGeneration.sync_weights
+    ours, other = VLLMGeneration.__new__(VLLMGeneration), VLLMGeneration.__new__(VLLMGeneration)
+    trl_cpu.reload_sync(ours)
+    trl_cpu.reload_sync(ours)  # twice: still one sync, not one wrapped in another
+    assert ours.sync_weights.__func__ is trl_cpu._sync_weights and ours.sync_weights.__self__ is ours
+    assert VLLMGeneration.sync_weights is trls and other.sync_weights.__func__ is trls
