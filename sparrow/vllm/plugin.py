@@ -5,7 +5,7 @@ reads the environment, refuses a bad configuration with one message, and registe
 over the one vLLM picks for the platform: CPU_ATTN on CPU; on CUDA a wrapper (wrapped.py) over each backend vLLM
 may pick for decoder attention (FlashAttention; FlashInfer on Blackwell; Triton as fallback). Each wrapper
 validates as the backend it wraps, so vLLM's priority order picks the backend it would have picked, and nothing
-has to be passed to `LLM(...)`. The CUDA path has not run on a GPU yet (benchmarks/vllm_device_check.py checks
+has to be passed to `LLM(...)`. The CUDA path has not run on a GPU yet (scripts/device_check.py checks
 it); scripts/check_vllm_release.py checks a vLLM release against what the plugin relies on.
 """
 
