@@ -205,6 +205,7 @@ class SparrowGRPOTrainer(GRPOTrainer):
         self.sparrow_schedule = RunTimeSchedule(self.sparrow, path.resolve(), longest, writer=state.is_main_process)
         self.sparrow_schedule.start()
         state.wait_for_everyone()
+        self.sparrow_schedule.join()
         configure_plugin(self.sparrow, path.resolve(), args.vllm_mode)
         self.sparrow_warnings: list[tuple[int, str]] = []
         self._sparrow_batches = 0

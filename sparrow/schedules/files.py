@@ -95,21 +95,19 @@ def check_schedule_file(data, where: str, page_size: int, always_kept_pages: int
 
 
 def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: int = 16, *,
-                        version: int | None = None, always_kept_pages: int = DEFAULT_KEPT_PAGES,
-                        restart: bool = False) -> Path:
+                        version: int | None = None, always_kept_pages: int = DEFAULT_KEPT_PAGES) -> Path:
     """The one writer of schedule files: `{"name", "page_size", "version"?, "bins"}`, replaced atomically so a
     reader (the vLLM plugin following the file) never sees half of it. Refused, as its reader would refuse it, when
     a budget is not whole pages or holds fewer than `always_kept_pages` pages. With a `version` (the run-time file
-    a plugin follows), a version below the one the file holds is refused unless `restart`: a new run starting the
-    file over."""
+    a plugin follows), a version below the one the file holds is refused: a follower would refuse it too."""
     if version is not None:
         if type(version) is not int or version < 0:
             raise SparrowError(f"schedule version {version!r} is not an integer >= 0")
-        held = None if restart else _version_held(Path(path))
+        held = version_held(Path(path))
         if held is not None and version < held:
             raise SparrowError(f"schedule file {str(path)!r} holds version {held}; refusing to write version "
                                f"{version} over it: versions only go up (the plugin reports the version in force), "
-                               "so write the next one, or pass restart=True to start the file over for a new run")
+                               "so write the next one")
     schedule.validate(page_size, always_kept_pages)
     data = {"name": schedule.name, "page_size": page_size}
     if version is not None:
@@ -118,7 +116,7 @@ def write_schedule_json(schedule: Schedule, path: str | os.PathLike, page_size: 
 
 
 
-def _version_held(path: Path) -> int | None:
+def version_held(path: Path) -> int | None:
     """The version a schedule file holds now; None when it has none or cannot be read (nothing to go back from)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -3,7 +3,8 @@ Sparrow's vLLM plugin) follows the file and reports beside it which version is i
 
 - The writer (`WrittenSchedule`): the schedule a run wants next, fixed or an adaptive controller's
   (controllers.py's `AdaptiveSchedule`, driven by the gathered measurements), each change written under the next
-  version (`write_schedule_json`, atomically), a new run starting the file over at version 1. Every process of a
+  version (`write_schedule_json`, atomically), a new run one version above the last one the file or its
+  report holds. Every process of a
   run keeps the same state (the same gathered values go in); only the writer process writes.
 - The follower (`FollowedFile`): one `stat` of the file per look (its inode, size and modification time against the
   last ones seen), a read only when it changed; a valid file is in force from then on, its version never going back
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from sparrow.errors import SparrowError
 from sparrow.io import atomic_write_json
 
-from .files import check_schedule_file, read_schedule_file, write_schedule_json
+from .files import check_schedule_file, read_schedule_file, version_held, write_schedule_json
 from .schedule import Schedule
 
 if TYPE_CHECKING:
@@ -136,17 +137,32 @@ class WrittenSchedule:
         self.write()
 
     def start(self) -> None:
-        """Start the file over at version 1, whatever version an earlier run left in it, and drop that run's status
-        file, so a stale report is never read as this run's."""
+        """The writer starts this run one version above any the file or its follower's report holds (a server that
+        follows the file across runs never sees a version go back) and drops the earlier run's report, so a stale
+        report is never read as this run's. Every process calls `join` once the writer is done."""
         if self.writer:
+            try:
+                status = read_status(self.path)
+            except (OSError, ValueError):  # a damaged report of an earlier run holds no version
+                status = None
+            reported = status.get("version") if isinstance(status, dict) else None
+            self.version = max(version_held(self.path) or 0, reported if type(reported) is int else 0) + 1
             status_path(self.path).unlink(missing_ok=True)
-            self.write(restart=True)
+            self.write()
 
-    def write(self, restart: bool = False) -> None:
-        """The schedule under its version (refused if the file holds a later one, unless `restart`)."""
+    def join(self) -> None:
+        """Take the version the writer started this run at, so that every process of the run holds the same."""
+        held = version_held(self.path)
+        if held is None:
+            raise SparrowError(f"the schedule file {str(self.path)!r} holds no version after the run's writer "
+                               "started it: expected the writer process to call start() first")
+        self.version = held
+
+    def write(self) -> None:
+        """The schedule under its version (refused if the file holds a later one)."""
         if self.writer:
             write_schedule_json(self.schedule, self.path, self.page_size, version=self.version,
-                                always_kept_pages=self.always_kept_pages, restart=restart)
+                                always_kept_pages=self.always_kept_pages)
 
     def measured(self) -> dict[str, Schedule]:
         """The schedules teacher-forced beside the one in force: the adaptive controller's one-rung-cheaper one."""

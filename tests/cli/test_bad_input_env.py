@@ -117,18 +117,17 @@ def test_a_schedule_file_the_plugin_would_refuse_is_refused_when_written(tmp_pat
     assert not (tmp_path / "schedule.json").exists()
 
 
-def test_a_schedule_version_going_backwards_is_refused_unless_a_new_run_starts_the_file_over(tmp_path):
+def test_a_schedule_version_going_backwards_is_refused(tmp_path):
     path = tmp_path / "schedule.json"
     write_schedule_json(const(64), path, version=5)
     with pytest.raises(SparrowError) as caught:
         write_schedule_json(const(128), path, version=3)
     assert str(caught.value) == (
         f"schedule file {str(path)!r} holds version 5; refusing to write version 3 over it: versions only go up (the "
-        "plugin reports the version in force), so write the next one, or pass restart=True to start the file over "
-        "for a new run")
+        "plugin reports the version in force), so write the next one")
     assert read_schedule_file(path) == (const(64), 5)  # the refused write left the file as it was
-    write_schedule_json(const(128), path, version=1, restart=True)
-    assert read_schedule_file(path) == (const(128), 1)
+    write_schedule_json(const(128), path, version=6)
+    assert read_schedule_file(path) == (const(128), 6)
 
 
 def test_plugin_dense_layers_past_the_models_layers_are_refused_at_engine_start():
@@ -165,7 +164,7 @@ def test_a_followed_file_whose_version_goes_back_or_stays_with_other_bins_is_ref
     assert (kept.schedule.budgets, kept.version) == ((256,), 2)
     lines = [r.getMessage() for r in caplog.records if r.name == "sparrow.vllm"]
     assert len(lines) == 1 and f"schedule file {str(path)!r}: " in lines[0] and message in lines[0], lines
-    write_schedule_json(const(256), path, version=2, restart=True)  # the bins in force again: nothing changes
+    path.write_text(json.dumps({"version": 2, "bins": [{"start": 0, "kv_budget": 256}]}))  # those in force: no change
     assert (state.active().schedule.budgets, state.active().version) == ((256,), 2)
     write_schedule_json(const(128), path, version=3)
     assert (state.active().schedule.budgets, state.active().version) == ((128,), 3)
