@@ -1,5 +1,6 @@
-"""The wheel carries what the package needs at run time: the presets and the CPU kernel's sources, so that an
-installed (not editable) package builds its kernel where a compiler exists."""
+"""The wheel carries what the package needs at run time: the presets, the CPU kernel's sources, so that an
+installed (not editable) package builds its kernel where a compiler exists, and every file of the code reward's
+harness, a directory the sandbox runs by its __main__.py."""
 
 import os
 import shutil
@@ -37,6 +38,12 @@ def test_the_wheel_carries_the_kernel_sources_and_the_presets(wheel):
     assert {"sparrow/cpu/csrc/sparse_decode.cpp", "sparrow/cpu/csrc/small_linear.cpp"} <= sources
     assert sources <= names
     assert "sparrow/data/sparrow_schedules.json" in names
+
+
+def test_the_wheel_carries_the_code_reward_harness(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    harness = {f"sparrow/rewards/harness/{p.name}" for p in (ROOT / "sparrow/rewards/harness").glob("*.py")}
+    assert {"sparrow/rewards/harness/__main__.py", "sparrow/rewards/harness/judge.py"} <= harness <= names
 
 
 def test_a_missing_source_is_one_line_saying_so(monkeypatch, tmp_path):

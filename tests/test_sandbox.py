@@ -99,7 +99,8 @@ ESCAPES = {
     "write ../../..": ("open('../../../../../../../..{tmp}/escape.txt', 'w').write('x')", "crash"),
     "overwrite the parent's file": ("open('{victim}', 'w').write('pwned')", "crash"),
     "append to the package source": ("open('{source}', 'a').write('# pwned')", "crash"),
-    "append to the harness": ("open('/sparrow/harness.py', 'a').write('# pwned')", "crash"),
+    "append to the harness": ("open('/sparrow/harness/__main__.py', 'a').write('# pwned')", "crash"),
+    "add a module to the harness": ("open('/sparrow/harness/site.py', 'w').write('# pwned')", "crash"),
     "read /etc/passwd": ("print(open('/etc/passwd').read())", "crash"),
     "read a home file": ("print(open('{home_secret}').read())", "crash"),
     "read the project": ("print(open('{repo}/pyproject.toml').read())", "crash"),
@@ -140,6 +141,38 @@ def test_sandbox_sees_only_system_files_and_its_scratch(host):
     assert result.status == "crash" and "AssertionError" not in result.stderr_tail, result.stderr_tail
     assert "/sandbox/run-0/work /sandbox/run-0/work" in result.stderr_tail
     assert "SPARROW_TEST_SECRET" not in result.stderr_tail
+
+
+HARNESS_SPY = textwrap.dedent("""
+    import os, sys
+    def listing():
+        return sorted(os.listdir('/sparrow/harness'))
+    def traces():
+        return [p for p in sys.path if 'harness' in p] + [m for m in ('protocol', 'worker') if m in sys.modules]
+    def importable():
+        try:
+            import protocol
+        except ImportError:
+            return False
+        return True
+""")
+
+
+def test_the_sandbox_shows_the_harness_sources_only_and_no_import_reaches_them():
+    expected = sorted(p.name for p in Path(sandbox.HARNESS).glob("*.py"))
+    assert "__main__.py" in expected
+    tests = (f"assert listing() == {expected!r}\nassert traces() == []\nassert importable() is False\n"
+             "import sys\nassert [p for p in sys.path if 'harness' in p] == [] and 'connection' not in sys.modules\n")
+    result = run_code(HARNESS_SPY, tests, timeout=5.0)
+    assert (result.passed, result.total) == (4, 4), result.stderr_tail
+
+
+def test_only_the_harness_sources_are_bound(tmp_path, monkeypatch):
+    for name in ("__main__.py", "judge.py", "notes.txt", "__pycache__/judge.cpython-311.pyc"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(sandbox, "HARNESS", str(tmp_path))
+    assert sandbox.harness_files() == ["__main__.py", "judge.py"]
 
 
 def test_processes_that_leave_the_group_do_not_outlive_the_run(host):

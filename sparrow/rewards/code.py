@@ -1,7 +1,7 @@
 """Code reward: run a completion's Python program against its tests in a sandbox and score the fraction passed.
 
 The program and its tests run through ``sandbox.run`` (bubblewrap namespaces; see docs/sandbox.md) under the
-judge of harness.py, which keeps the tests out of the program's reach: stdin/stdout cases run the program once
+judge of harness/, which keeps the tests out of the program's reach: stdin/stdout cases run the program once
 per case and compare its output in the judge; assert tests run in the judge against a worker process that
 executed the program, so a program that exits early, or returns an object that claims to equal everything,
 passes nothing. Every program process has rlimits on address space (``memory_mb``), CPU seconds, the size of
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.rewards import sandbox
-from sparrow.rewards.harness import DETAIL_CHARS, split_tests
+from sparrow.rewards.harness.protocol import DETAIL_CHARS
+from sparrow.rewards.harness.testblocks import split_tests
 
 STATUSES = ("ok", "timeout", "crash", "memory", "output_limit", "sandbox_error")
 OUTPUT_LIMIT_BYTES = 1 << 20
@@ -90,8 +91,8 @@ def run_code(
     output_limit_bytes: int = OUTPUT_LIMIT_BYTES,
     base_dir: str | None = None,
 ) -> CodeResult:
-    """Run ``program`` on ``tests``: stdin/stdout cases (one process each), or an assert block (see harness.py:
-    each top-level assert with the statements before it is one test).
+    """Run ``program`` on ``tests``: stdin/stdout cases (one process each), or an assert block (see
+    harness/testblocks.py: each top-level assert with the statements before it is one test).
 
     A case passes when the program exits 0 and its output matches; an assert test passes when it runs without
     raising. ``timeout`` is wall-clock seconds for all the tests together; ``base_dir`` is where an unsandboxed

@@ -1,14 +1,16 @@
 """Where the code reward's programs run: a bubblewrap sandbox, or bare processes only if the user opts in.
 
-``run(job, base_dir)`` starts the harness (harness.py: the judge, which runs the program and its tests) with a JSON
-job and returns what it reported. In the sandbox (bwrap 0.8 or newer) the judge is pid 1 of new pid, network, IPC,
-UTS and cgroup namespaces, with a new root that holds read-only binds of the system directories (/usr and the
-/bin, /lib... links), /etc/ld.so.cache and the Python installation, fresh /proc and /dev, and one writable
-tmpfs of ``SCRATCH_BYTES``, /sandbox (the scratch directory); the rest of the new root is read-only: no home, no
-project, no /tmp, no /etc. The environment is cleared. As an ordinary user the sandbox has its own user
-namespace (uid 65534, no capabilities, no nested user namespaces) and the program's ``RLIMIT_NPROC`` counts only
-that sandbox's processes. Root ignores ``RLIMIT_NPROC``, so as root the judge keeps only CAP_SETUID, CAP_SETGID and CAP_KILL and
-runs the program as a user id of its own (``_ROOT_UID_BASE`` + a counter), whose process count the limit caps.
+``run(job, base_dir)`` starts the harness (the directory harness/, which Python runs by its ``__main__.py``: the
+judge, which runs the program and its tests) with a JSON job and returns what it reported. In the sandbox (bwrap
+0.8 or newer) the judge is pid 1 of new pid, network, IPC, UTS and cgroup namespaces, with a new root that holds
+read-only binds of the system directories (/usr and the /bin, /lib... links), /etc/ld.so.cache, the Python
+installation and the harness's sources (/sparrow/harness: each of its ``*.py`` files, and nothing else of the
+folder), fresh /proc and /dev, and one writable tmpfs of ``SCRATCH_BYTES``, /sandbox (the scratch directory); the
+rest of the new root is read-only: no home, no project, no /tmp, no /etc. The environment is cleared. As an
+ordinary user the sandbox has its own user namespace (uid 65534, no capabilities, no nested user namespaces) and
+the program's ``RLIMIT_NPROC`` counts only that sandbox's processes. Root ignores ``RLIMIT_NPROC``, so as root the
+judge keeps only CAP_SETUID, CAP_SETGID and CAP_KILL and runs the program as a user id of its own
+(``_ROOT_UID_BASE`` + a counter), whose process count the limit caps.
 ``--die-with-parent`` ends the sandbox, and everything in it, when the process that started it dies.
 
 Without bwrap (or where it cannot run) ``require_sandbox`` refuses, naming the problem, unless the user accepted
@@ -33,15 +35,15 @@ from dataclasses import dataclass
 
 from sparrow.errors import SparrowError
 from sparrow.io import env_flag
-from sparrow.rewards.harness import wait_exit
+from sparrow.rewards.harness.processes import wait_exit
 
 UNSAFE_ENV = "SPARROW_UNSAFE_CODE_REWARD"
 SCRATCH = "/sandbox"
 SCRATCH_BYTES = 64 << 20
 PROCESS_LIMIT = 32
 GRACE_S = 2.0
-HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
-_INNER_HARNESS = "/sparrow/harness.py"
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness")  # a directory, run by its __main__.py
+_INNER_HARNESS = "/sparrow/harness"
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache",)
 _MIN_VERSION = (0, 8, 0)
@@ -94,6 +96,12 @@ def _interpreter_dirs() -> list[str]:
     return [d for d in keep if not any(d != other and _under(d, [other]) for other in keep)]
 
 
+def harness_files() -> list[str]:
+    """The harness's sources: the only files of its directory the sandbox shows, each bound read-only (no
+    ``__pycache__`` the host's imports left there, nothing else)."""
+    return sorted(n for n in os.listdir(HARNESS) if n.endswith(".py") and os.path.isfile(os.path.join(HARNESS, n)))
+
+
 @functools.cache
 def _bwrap_argv(bwrap: str, as_root: bool) -> tuple[str, ...]:
     argv = [bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--unshare-pid", "--unshare-net",
@@ -120,7 +128,10 @@ def _bwrap_argv(bwrap: str, as_root: bool) -> tuple[str, ...]:
                 argv += ["--perms", "0755", "--dir", parent]
     for path in interpreter:
         argv += ["--ro-bind", path, path]
-    argv += ["--ro-bind", HARNESS, _INNER_HARNESS, "--proc", "/proc", "--dev", "/dev",
+    argv += ["--perms", "0755", "--dir", _INNER_HARNESS]  # in the new root, read-only once / is remounted
+    for name in harness_files():
+        argv += ["--ro-bind", os.path.join(HARNESS, name), f"{_INNER_HARNESS}/{name}"]
+    argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "0755", "--size", str(SCRATCH_BYTES), "--tmpfs", SCRATCH, "--remount-ro", "/",
              "--chdir", SCRATCH, "--clearenv", "--setenv", "LANG", "C.UTF-8", "--setenv", "PATH", "/usr/bin:/bin",
              "--", python(), "-I", "-S", "-B", _INNER_HARNESS]
