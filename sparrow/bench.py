@@ -20,7 +20,7 @@ from sparrow.attention.interface import base_model
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.engine.sampling import sample
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import compare
+from sparrow.measure.cost_model import Pricing, compare
 from sparrow.measure.exact_cost import best_draft_tokens, exact_decode
 from sparrow.schedules import DENSE, Schedule
 
@@ -200,6 +200,7 @@ def machine_info(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
         info["cpu_flags"] = cpu_flags(("avx", "amx", "fma"))  # which kernels ran: AVX2 and AVX-512 CPUs differ
+        info["torch_cpu_kernels"] = torch.backends.cpu.get_cpu_capability()  # ATEN_CPU_CAPABILITY may lower it
     return info
 
 
@@ -313,18 +314,19 @@ def run_exact_benchmark(engine: RolloutEngine, schedule: Schedule, draft_tokens:
 
 
 def predicted_steps(dims, hw, schedule: Schedule, context: int, steps: int, batch: int, measured: dict[str, float],
-                    exact: tuple[float, int] | None = None, **options) -> dict[str, dict[str, float]]:
+                    exact: tuple[float, int] | None = None, *,
+                    pricing: Pricing = Pricing()) -> dict[str, dict[str, float]]:
     """The cost model's mean decode step beside the measured one (milliseconds, all rows) for each configuration
     in `measured` (name -> measured seconds per step: dense, sparse, and exact with `exact` = (coupled acceptance,
     draft tokens, 0 for the model's best)) over the timed trajectory: `steps` steps from `context` cached tokens,
     `batch` rows. Measured minus predicted is the host time per step the model leaves out (`--step-overhead`)."""
     trajectory = (dims, hw, schedule, context, steps, batch)
-    result = compare(*trajectory, **options)
+    result = compare(*trajectory, pricing=pricing)
     predicted = {"dense": result["dense_step_s"], "sparse": result["sparse_step_s"]}
     if exact is not None:
         acceptance, draft_tokens = exact
-        run = (exact_decode(*trajectory, acceptance, draft_tokens, **options) if draft_tokens
-               else best_draft_tokens(*trajectory, acceptance=acceptance, **options))
+        run = (exact_decode(*trajectory, acceptance, draft_tokens, pricing=pricing) if draft_tokens
+               else best_draft_tokens(*trajectory, acceptance=acceptance, pricing=pricing))
         predicted["exact"] = predicted["dense"] / run["exact_over_dense"]
     return {name: {"predicted_ms": 1e3 * predicted[name], "measured_ms": 1e3 * seconds,
                    "residual_ms": 1e3 * (seconds - predicted[name])} for name, seconds in measured.items()}

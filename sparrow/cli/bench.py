@@ -109,9 +109,10 @@ def _predicted(config: BenchConfig, measured: dict[str, float], exact: tuple[flo
     """`predicted_steps` for this run's trajectory and machine; `measured`: seconds per decode step by name."""
     sparse = config.sparse.config()
     return predicted_steps(model_dims(config.model.name), config.machine.spec(), config.sparse.parsed_schedule,
-                           config.context, config.steps, config.batch, measured, exact, page_size=sparse.page_size,
-                           dense_layers=len(set(sparse.dense_layers)), landmark=sparse.landmark,
-                           **config.machine.byte_sizes())
+                           config.context, config.steps, config.batch, measured, exact,
+                           pricing=config.machine.pricing(page_size=sparse.page_size,
+                                                          dense_layers=len(set(sparse.dense_layers)),
+                                                          landmark=sparse.landmark))
 
 
 def _print_predicted(predicted: dict, hardware: str) -> None:
@@ -123,6 +124,7 @@ def _print_predicted(predicted: dict, hardware: str) -> None:
 def run(args) -> int:
     config = load_config(BenchConfig, args)
     log = phase_log("bench")  # stderr: stdout holds only the result (a summary line, or --json)
+    log(f"{config.model.name} in {config.model.dtype} (--dtype), weights and KV cache, in every engine")
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
     model, tokenizer = config.model.load()
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
@@ -205,10 +207,13 @@ def _vllm_setup(config: BenchConfig):
 
 
 def _stock_vllm(config: BenchConfig, log) -> float:
-    """Dense decode tokens/s of stock vLLM, in a child process where the plugin is not configured."""
+    """Dense decode tokens/s of stock vLLM, in a child process where the plugin is not configured; the child's
+    progress lines are passed on as they come (its prefill of every prompt takes minutes on a CPU)."""
+    import collections
     import os
     import subprocess
     import sys
+    import tempfile
 
     from sparrow.vllm.env import ENV_NAMES
 
@@ -223,17 +228,29 @@ def _stock_vllm(config: BenchConfig, log) -> float:
              "    _, tok = load_model(d)\n"
              "    b = VLLMBackend(d, tok, dtype=dtype, kv_cache_gib=gib, plugin=False, log=lambda m: None,\n"
              "                    max_model_len=length)\n"
-             "    r = run_vllm_benchmark(b, None, log=lambda m: print(m, file=sys.stderr), **args)\n"
+             f"    r = run_vllm_benchmark(b, None, log=lambda m: print({_PROGRESS!r} + m, file=sys.stderr, flush=True), "
+             "**args)\n"
              "    print('RESULT' + json.dumps(r.dense_tokens_per_s))\n")
     log("stock vLLM (child process):")
     env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
-    run = subprocess.run([sys.executable, "-c", child, str(directory), str(gib), config.model.dtype, str(length),
-                          json.dumps(args)], env=env, capture_output=True, text=True, check=False)
-    if run.returncode != 0:
-        raise SparrowError(f"the stock vLLM benchmark failed: {run.stderr.strip().splitlines()[-1:]}")
-    stock = json.loads(run.stdout.split("RESULT")[-1])
+    last = collections.deque(maxlen=20)
+    with tempfile.TemporaryFile("w+") as out:
+        with subprocess.Popen([sys.executable, "-c", child, str(directory), str(gib), config.model.dtype, str(length),
+                               json.dumps(args)], env=env, stdout=out, stderr=subprocess.PIPE, text=True) as run:
+            for line in run.stderr:
+                if line.startswith(_PROGRESS):
+                    log(" stock: " + line[len(_PROGRESS):].rstrip())
+                elif line.strip():
+                    last.append(line.rstrip())
+        if run.returncode != 0:
+            raise SparrowError(f"the stock vLLM benchmark failed: {list(last)[-1:]}")
+        out.seek(0)
+        stock = json.loads(out.read().split("RESULT")[-1])
     log(f" stock: {stock:8.1f} tokens/s")
     return stock
+
+
+_PROGRESS = "SPARROW-PROGRESS "  # the stock child's progress lines, among vLLM's own on its stderr
 
 
 def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from sparrow.cli import main
 
@@ -83,10 +84,15 @@ def test_bench_reports_all_rates_as_json(capsys):
     code = main(["bench", "--model", "tiny-llama", "--context", "256", "--batch", "2", "--steps", "3",
                  "--repeats", "1", "--warmup", "1", "--schedule", "const:64", "--json"])
     assert code == 0
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     for key in ("dense_tokens_per_s", "sparse_tokens_per_s", "hf_tokens_per_s", "sparse_over_dense"):
         assert result[key] > 0
     assert result["kv_bytes_per_step"]["sparse_kv"] < result["kv_bytes_per_step"]["dense_kv"]
+    # what ran: the dtype in the log and the record, and which of torch's CPU kernels (AVX2 and AVX-512 differ)
+    assert "tiny-llama in float32 (--dtype), weights and KV cache, in every engine" in captured.err
+    assert result["config"]["model"]["dtype"] == "float32"
+    assert result["machine"]["torch_cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
@@ -103,7 +109,7 @@ def test_bench_in_exact_mode_reports_its_ratio_and_identical_tokens(capsys):
 
 @pytest.mark.parametrize("mode", ["sparse", "exact"])
 def test_bench_predicts_each_step_it_measures_with_the_cost_model(mode, capsys):
-    from sparrow.measure.cost_model import compare, hardware
+    from sparrow.measure.cost_model import Pricing, compare, hardware
     from sparrow.measure.exact_cost import exact_decode
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
@@ -118,11 +124,11 @@ def test_bench_predicts_each_step_it_measures_with_the_cost_model(mode, capsys):
     assert set(predicted) == ({"dense", "sparse", "exact"} if exact else {"dense", "sparse"})
     hw, dims = hardware("cpu", 1e11, 2e10, 0.001), model_dims("tiny-llama")
     trajectory = (dims, hw, parse_schedule("const:48"), 200, 6, 2)
-    model = compare(*trajectory, bytes_per_param=4, bytes_per_kv=4)
+    float32 = Pricing(bytes_per_param=4, bytes_per_kv=4)
+    model = compare(*trajectory, pricing=float32)
     want = {"dense": model["dense_step_s"], "sparse": model["sparse_step_s"]}
     if exact:
-        ratio = exact_decode(*trajectory, result["coupled_acceptance"], 3, bytes_per_param=4,
-                             bytes_per_kv=4)["exact_over_dense"]
+        ratio = exact_decode(*trajectory, result["coupled_acceptance"], 3, pricing=float32)["exact_over_dense"]
         want["exact"] = want["dense"] / ratio
     for name, step in predicted.items():
         assert step["predicted_ms"] == pytest.approx(1e3 * want[name])
