@@ -86,8 +86,8 @@ def run_exact(config: CalibrateConfig, profile: dict, page_size: int) -> int:
     if "model" not in meta:
         raise SparrowError(f"{config.profile} names no model: the cost model needs its shape")
     hw = config.machine.spec()
-    rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples, page_size,
-                            **config.machine.byte_sizes())
+    rows = exact_candidates(profile, model_dims(meta["model"]), hw, config.samples,
+                            pricing=config.machine.pricing(page_size=page_size))
     print(f"exact mode on {hw.name} (cost model; acceptance: each schedule's mean alpha per bin of the profile, an "
           "estimate of the coupled acceptance at each length; alpha: its mean over the trajectory):")
     print(f"{'schedule':<22} {'alpha':>6} {'K':>3} {'tokens/verify':>14} {'exact/dense':>12} {'sparse/dense':>13}")
@@ -140,7 +140,7 @@ def run(args) -> int:
         prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
         gen_len = meta.get("sampling", {}).get("max_new_tokens", 1)
         result = compare(model_dims(meta["model"]), hw, schedule, prompt_len, gen_len, config.samples,
-                         page_size=page_size, **config.machine.byte_sizes())
+                         pricing=config.machine.pricing(page_size=page_size))
         print(f"predicted speedup on {hw.name} (cost model, {prompt_len}-token prompts, {gen_len} generated, "
               f"{config.samples} samples): {result['predicted_speedup']:.2f}x")
     return 0

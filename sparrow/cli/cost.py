@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -127,10 +128,10 @@ def evaluate(config: CostConfig) -> dict:
     dims = model_dims(config.model)
     hw = config.machine.spec()
     schedule, sparse = config.parsed_schedule, config.sparse.config()
-    options = {"dense_layers": config.dense_layer_count(dims.layers), "landmark": sparse.landmark,
-               **config.machine.byte_sizes()}
+    pricing = config.machine.pricing(page_size=sparse.page_size, dense_layers=config.dense_layer_count(dims.layers),
+                                     landmark=sparse.landmark)
     trajectory = (dims, hw, schedule, config.prompt_len, config.gen_len, config.samples)
-    result = compare(*trajectory, page_size=sparse.page_size, **options)
+    result = compare(*trajectory, pricing=pricing)
     rows = []
     for size in config.page_size_list():
         try:
@@ -138,14 +139,14 @@ def evaluate(config: CostConfig) -> dict:
         except SparrowError as err:
             rows.append({"page_size": size, "skipped": str(err)})
             continue
-        row = compare(*trajectory, page_size=size, **options)
+        row = compare(*trajectory, pricing=dataclasses.replace(pricing, page_size=size))
         rows.append({"page_size": size, "sparse_cost": row["sparse_cost"],
                      "predicted_speedup": row["predicted_speedup"],
                      "sparse_attention_share": row["sparse_attention_share"]})
     lengths = config.prompt_len_list()
     if lengths:
         budget, ratio = equal_cost_constant(dims, hw, schedule, lengths, config.gen_len, config.samples,
-                                            page_size=sparse.page_size, **options)
+                                            pricing=pricing)
         result["equal_cost_constant"] = {"budget": budget, "cost_ratio": ratio, "prompt_lens": lengths}
     acceptance = config.acceptance
     if config.acceptance_profile is not None:
@@ -154,13 +155,12 @@ def evaluate(config: CostConfig) -> dict:
     if acceptance is not None:
         price = (functools.partial(exact_decode, draft_tokens=config.draft_tokens) if config.draft_tokens
                  else best_draft_tokens)
-        exact = price(*trajectory, acceptance=acceptance, page_size=sparse.page_size, drafter=config.exact_drafter,
-                      **options)
+        exact = price(*trajectory, acceptance=acceptance, pricing=pricing, drafter=config.exact_drafter)
         result["exact"] = {"draft_tokens": config.draft_tokens, **exact,
                            **({"per_length": acceptance} if isinstance(acceptance, list) else {})}
     if config.training:
         result["training"] = training_step(*trajectory, monitor_every=config.monitor_every,
-                                           monitor_share=config.monitor_share, page_size=sparse.page_size, **options)
+                                           monitor_share=config.monitor_share, pricing=pricing)
     final_budget = schedule.budget_at(config.prompt_len + config.gen_len)
     paper = paper_cost(dims, hw, final_budget, config.prompt_len, config.gen_len, config.samples, sparse.page_size)
     return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparrow.measure.cost_model import Hardware, hardware
+from sparrow.measure.cost_model import Hardware, Pricing, hardware
 from sparrow.typed_config import check_finite, option
 
 
@@ -37,6 +37,8 @@ class MachineSection:
         """The cost model's Hardware (a SparrowError naming a bad value)."""
         return hardware(self.hardware, self.peak_flops, self.bandwidth, self.step_overhead)
 
-    def byte_sizes(self) -> dict[str, float | int]:
-        """The cost model's `bytes_per_param` and `bytes_per_kv` keyword arguments."""
-        return {"bytes_per_param": whole_bytes(self.param_bytes), "bytes_per_kv": whole_bytes(self.kv_bytes)}
+    def pricing(self, **settings) -> Pricing:
+        """The cost model's Pricing at this machine's byte sizes; `settings`: its other fields (page_size,
+        dense_layers, landmark), the cost model's defaults where not given."""
+        return Pricing(bytes_per_param=whole_bytes(self.param_bytes), bytes_per_kv=whole_bytes(self.kv_bytes),
+                       **settings)

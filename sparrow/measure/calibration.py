@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from sparrow.attention.config import SparseConfig
 from sparrow.errors import SparrowError
+from sparrow.measure.cost_model import Pricing
 from sparrow.measure.exact_cost import best_draft_tokens
 from sparrow.measure.retention import Retention
 from sparrow.schedules import Schedule, parse_schedule
@@ -336,23 +337,23 @@ def profiled_schedule(profile: dict, schedule) -> str:
                        f"{', '.join(profile['schedules'])}")
 
 
-def exact_candidates(profile: dict, dims, hw, samples: int, page_size: int = 16, max_draft_tokens: int = 16,
-                     bytes_per_param=2, bytes_per_kv=2) -> list[dict]:
+def exact_candidates(profile: dict, dims, hw, samples: int, max_draft_tokens: int = 16, *,
+                     pricing: Pricing = Pricing()) -> list[dict]:
     """Exact mode's predicted decode speedup for every profiled schedule, best first: each schedule's mean
     acceptance per bin of the profile stands for its drafts' per-token acceptance at those lengths, and the cost
     model picks the draft length (`exact_cost.best_draft_tokens`) at the profile's prompt and generation lengths.
-    In exact mode the budget only sets speed (rejected drafts cost time, never reward), so no tau applies."""
+    In exact mode the budget only sets speed (rejected drafts cost time, never reward), so no tau applies.
+    The profile's schedules are read at `pricing.page_size`."""
     meta = profile.get("meta", {})
     prompt_len = max(1, round(meta.get("prompt_tokens_mean", 1)))
     gen_len = max(1, meta.get("sampling", {}).get("max_new_tokens", 1))
     rows = []
     for name, entry in profile["schedules"].items():
-        schedule = parse_schedule(entry["spec"], page_size, always_kept_pages(meta))
+        schedule = parse_schedule(entry["spec"], pricing.page_size, always_kept_pages(meta))
         if schedule.is_dense:
             continue
         best = best_draft_tokens(dims, hw, schedule, prompt_len, gen_len, samples,
-                                 per_length_acceptance(profile, name), max_draft_tokens, page_size=page_size,
-                                 bytes_per_param=bytes_per_param, bytes_per_kv=bytes_per_kv)
+                                 per_length_acceptance(profile, name), max_draft_tokens, pricing=pricing)
         rows.append({"schedule": name, **best})
     if not rows:
         raise SparrowError("the profile holds no sparse schedule to draft with")

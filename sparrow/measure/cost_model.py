@@ -7,8 +7,10 @@ count the weight reads (once for the whole batch), the K/V reads of the attended
 sparse layers (per sequence), the projection FLOPs and the attention and page-scoring FLOPs. A trajectory sums the
 decode steps of `samples` sequences that share one prompt, plus one dense prefill of that prompt; `training_step`
 adds the update and the monitor of a whole GRPO step (training_cost.py), and exact mode's drafts and verifications
-are priced in exact_cost.py. `paper_cost` is the paper's printed approximation, kept for comparison;
-docs/cost-model.md derives both and lists where they differ.
+are priced in exact_cost.py. What prices a trajectory besides the model, the hardware and the lengths (page size,
+dense layers, landmark, byte sizes) is one `Pricing`, which each pricing function takes as `pricing=`. `paper_cost`
+is the paper's printed approximation, kept for comparison; docs/cost-model.md derives both and lists where they
+differ.
 
 Everything here is pure arithmetic: no I/O, no printing. FLOP and byte counts are exact Python integers.
 """
@@ -158,16 +160,30 @@ def check_trajectory(prompt_len, gen_len, samples) -> None:
     check_int("samples", samples, 1)
 
 
-def _check(dims: ModelDims, page_size: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv):
-    """Raise SparrowError for settings the model cannot price."""
-    if page_size < 1:
-        raise SparrowError(f"page size must be a positive integer, got {page_size}")
-    if not 0 <= dense_layers <= dims.layers:
-        raise SparrowError(f"dense_layers must be between 0 and the model's {dims.layers} layers, got {dense_layers}")
-    get_landmark(landmark)
-    for what, value in (("bytes_per_param", bytes_per_param), ("bytes_per_kv", bytes_per_kv)):
-        if not (value > 0 and math.isfinite(value)):
-            raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
+@dataclass(frozen=True)
+class Pricing:
+    """What prices a trajectory besides the model, the hardware and the lengths: the KV page size, how many
+    layers stay dense, the landmark the sparse ones score, and the bytes of a weight and of a cached K/V element.
+    One value that every pricing function takes (`pricing=`), built once by each caller from its options.
+    `check(dims)` refuses what the model cannot price; the pricing functions call it."""
+
+    page_size: int = 16
+    dense_layers: int = 2
+    landmark: str = "centroid"
+    bytes_per_param: float = 2
+    bytes_per_kv: float = 2
+
+    def check(self, dims: ModelDims) -> None:
+        """Raise SparrowError for settings the model cannot price."""
+        if self.page_size < 1:
+            raise SparrowError(f"page size must be a positive integer, got {self.page_size}")
+        if not 0 <= self.dense_layers <= dims.layers:
+            raise SparrowError(f"dense_layers must be between 0 and the model's {dims.layers} layers, got "
+                               f"{self.dense_layers}")
+        get_landmark(self.landmark)
+        for what, value in (("bytes_per_param", self.bytes_per_param), ("bytes_per_kv", self.bytes_per_kv)):
+            if not (value > 0 and math.isfinite(value)):
+                raise SparrowError(f"{what} must be a positive finite number, got {value!r}")
 
 
 def _budget_pages(budget: np.ndarray, page_size: int) -> np.ndarray:
@@ -200,7 +216,7 @@ def _sparse_counts(cached: np.ndarray, budget: np.ndarray | None, page_size: int
 
 
 def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: int, sum_sparse: int,
-            sum_scored: int, dense_layers: int, landmark: str, bytes_per_param, bytes_per_kv) -> StepCost:
+            sum_scored: int, pricing: Pricing) -> StepCost:
     """Cost of `steps` decode steps of `batch` sequences from token and landmark counts summed over the steps.
 
     Weights are read once for the batch (2 FLOPs per weight per sequence). Each sequence, per layer, reads K and V
@@ -209,16 +225,16 @@ def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: i
     and FLOPs per page of the landmark's registry entry (attention/landmarks.py; centroid: one vector per KV head
     scored with the group-mean query; quest: min and max, scored per query head).
     """
-    sparse_layers = dims.layers - dense_layers
+    sparse_layers = dims.layers - pricing.dense_layers
     per_kv_head = dims.kv_heads * dims.head_dim
-    tokens_read = dense_layers * sum_cached + sparse_layers * sum_sparse
-    lm = get_landmark(landmark)
-    page_bytes = lm.bytes_per_page(dims.kv_heads, dims.head_dim, bytes_per_kv)
+    tokens_read = pricing.dense_layers * sum_cached + sparse_layers * sum_sparse
+    lm = get_landmark(pricing.landmark)
+    page_bytes = lm.bytes_per_page(dims.kv_heads, dims.head_dim, pricing.bytes_per_kv)
     page_flops = lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
     return _cost(
         hw,
-        weight_bytes=steps * dims.step_params * bytes_per_param,
-        kv_bytes=batch * 2 * per_kv_head * bytes_per_kv * (tokens_read + steps * dims.layers),
+        weight_bytes=steps * dims.step_params * pricing.bytes_per_param,
+        kv_bytes=batch * 2 * per_kv_head * pricing.bytes_per_kv * (tokens_read + steps * dims.layers),
         landmark_bytes=batch * page_bytes * sparse_layers * sum_scored,
         proj_flops=2 * dims.step_params * batch * steps,
         attn_flops=batch * 4 * dims.heads * dims.head_dim * tokens_read,
@@ -227,17 +243,17 @@ def _decode(dims: ModelDims, hw: Hardware, batch: int, steps: int, sum_cached: i
     )
 
 
-def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, bytes_per_param=2, bytes_per_kv=2) -> StepCost:
+def prefill_cost(dims: ModelDims, hw: Hardware, prompt_len: int, *, pricing: Pricing = Pricing()) -> StepCost:
     """One dense causal prefill: 2 FLOPs per weight per token, token t attends t tokens, weights read once.
 
     Attention FLOPs: 4 * heads * head_dim per (query, key) pair, L (L + 1) / 2 pairs per layer. Bytes: the weights
-    once and the prompt's K and V written once (shared by all samples).
+    once and the prompt's K and V written once (shared by all samples), at `pricing`'s byte sizes.
     """
     pairs = prompt_len * (prompt_len + 1) // 2
     return _cost(
         hw,
-        weight_bytes=dims.step_params * bytes_per_param,
-        kv_bytes=2 * dims.kv_width * prompt_len * bytes_per_kv,
+        weight_bytes=dims.step_params * pricing.bytes_per_param,
+        kv_bytes=2 * dims.kv_width * prompt_len * pricing.bytes_per_kv,
         landmark_bytes=0,
         proj_flops=2 * dims.step_params * prompt_len,
         attn_flops=4 * dims.heads * dims.head_dim * dims.layers * pairs,
@@ -258,35 +274,30 @@ def _trajectory_sums(schedule: Schedule, prompt_len: int, gen_len: int, page_siz
 
 
 def trajectory_cost(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-                    page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
-                    bytes_per_kv=2) -> TrajectoryCost:
+                    *, pricing: Pricing = Pricing()) -> TrajectoryCost:
     """One shared dense prefill plus `gen_len` decode steps of `samples` sequences under `schedule`.
 
     At decode step i (0-based) each sequence holds prompt_len + i + 1 tokens, and its budget is the schedule's
     at that length. Steps are counted in closed form (dense) or with numpy over all steps at once (sparse).
     """
-    _check(dims, page_size, dense_layers, landmark, bytes_per_param, bytes_per_kv)
+    pricing.check(dims)
     check_trajectory(prompt_len, gen_len, samples)
-    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, page_size)
-    decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, dense_layers, landmark,
-                     bytes_per_param, bytes_per_kv)
-    prefill = prefill_cost(dims, hw, prompt_len, bytes_per_param, bytes_per_kv)
+    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, pricing.page_size)
+    decode = _decode(dims, hw, samples, gen_len, sum_cached, sum_sparse, sum_scored, pricing)
+    prefill = prefill_cost(dims, hw, prompt_len, pricing=pricing)
     total = _add(hw, prefill, decode)
     return TrajectoryCost(**dataclasses.asdict(total), prefill=prefill, decode=decode, steps=gen_len,
                           samples=samples)
 
 
 def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-            page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid", bytes_per_param=2,
-            bytes_per_kv=2) -> dict:
+            *, pricing: Pricing = Pricing()) -> dict:
     """Dense vs `schedule` over the same trajectory: costs, predicted speedup, mean decode step times, attention
     shares, breakdowns."""
     if schedule.is_dense:
         raise SparrowError(f"schedule {schedule.name!r} is dense: nothing to compare; give a sparse schedule")
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
-    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options)
-    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options)
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, pricing=pricing)
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, pricing=pricing)
     return {
         "dense_cost": dense.cost,
         "sparse_cost": sparse.cost,
@@ -301,8 +312,7 @@ def compare(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, 
 
 
 def equal_cost_constant(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_lens: list[int], gen_len: int,
-                        samples: int, page_size: int = 16, dense_layers: int = 2, landmark: str = "centroid",
-                        bytes_per_param=2, bytes_per_kv=2) -> tuple[int, float]:
+                        samples: int, *, pricing: Pricing = Pricing()) -> tuple[int, float]:
     """The constant budget (whole pages, from the always-kept pages up) whose predicted rollout cost, summed over
     one trajectory per prompt length in `prompt_lens`, is closest to `schedule`'s; returns (budget, its cost over
     the schedule's). The fair constant rival of a growing schedule on a mixed-length task: the same predicted
@@ -311,11 +321,10 @@ def equal_cost_constant(dims: ModelDims, hw: Hardware, schedule: Schedule, promp
         raise SparrowError("equal-cost constant budget needs at least one prompt length")
     for length in prompt_lens:
         check_trajectory(length, gen_len, samples)
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
+    page_size = pricing.page_size
 
     def total(s: Schedule) -> float:
-        return sum(trajectory_cost(dims, hw, s, n, gen_len, samples, **options).cost for n in prompt_lens)
+        return sum(trajectory_cost(dims, hw, s, n, gen_len, samples, pricing=pricing).cost for n in prompt_lens)
 
     target = total(schedule)
     low, high = SparseConfig().always_kept_pages, -(-(max(prompt_lens) + gen_len) // page_size)

@@ -11,7 +11,7 @@ from sparrow.model_shapes import ModelDims
 from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_finite, check_int
 
-from .cost_model import Hardware, _cost, trajectory_cost
+from .cost_model import Hardware, Pricing, _cost, trajectory_cost
 
 
 def tokens_per_verify(acceptance: float, draft_tokens: int) -> float:
@@ -47,8 +47,7 @@ DRAFTERS = ("shared", "copy")
 
 
 def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-                 acceptance, draft_tokens: int, page_size: int = 16, dense_layers: int = 2,
-                 landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2, drafter: str = "shared") -> dict:
+                 acceptance, draft_tokens: int, *, pricing: Pricing = Pricing(), drafter: str = "shared") -> dict:
     """Predicted decode cost of exact mode against dense decode over one trajectory.
 
     A round drafts K tokens with `schedule` (K sparse decode steps) and verifies them with one dense span step of
@@ -63,15 +62,14 @@ def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: 
     follow)."""
     if drafter not in DRAFTERS:
         raise SparrowError(f"drafter {drafter!r}: expected one of {', '.join(DRAFTERS)}")
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
     check_int("draft_tokens", draft_tokens, 1)
-    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options).decode
-    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options).decode
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, pricing=pricing).decode
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, pricing=pricing).decode
     exact_cost, rounds, weighted = 0.0, 0.0, 0.0
     for first, steps, value in acceptance_segments(acceptance, prompt_len, gen_len):
-        part_dense = trajectory_cost(dims, hw, DENSE, prompt_len + first, steps, samples, **options).decode
-        part_sparse = trajectory_cost(dims, hw, schedule, prompt_len + first, steps, samples, **options).decode
+        part_dense = trajectory_cost(dims, hw, DENSE, prompt_len + first, steps, samples, pricing=pricing).decode
+        part_sparse = trajectory_cost(dims, hw, schedule, prompt_len + first, steps, samples,
+                                      pricing=pricing).decode
         verify = _cost(hw, weight_bytes=part_dense.weight_bytes, kv_bytes=part_dense.kv_bytes, landmark_bytes=0,
                        proj_flops=(draft_tokens + 1) * part_dense.proj_flops,
                        attn_flops=(draft_tokens + 1) * part_dense.attn_flops, score_flops=0,
@@ -88,9 +86,11 @@ def exact_decode(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: 
 
 
 def best_draft_tokens(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int,
-                      samples: int, acceptance, max_draft_tokens: int = 16, **options) -> dict:
+                      samples: int, acceptance, max_draft_tokens: int = 16, *, pricing: Pricing = Pricing(),
+                      drafter: str = "shared") -> dict:
     """`exact_decode` at the draft length K in 1..max_draft_tokens that maximises the predicted speedup."""
     check_int("max_draft_tokens", max_draft_tokens, 1)
     runs = [{"draft_tokens": k, **exact_decode(dims, hw, schedule, prompt_len, gen_len, samples, acceptance, k,
-                                               **options)} for k in range(1, max_draft_tokens + 1)]
+                                               pricing=pricing, drafter=drafter)}
+            for k in range(1, max_draft_tokens + 1)]
     return max(runs, key=lambda run: run["exact_over_dense"])

@@ -12,12 +12,11 @@ from sparrow.model_shapes import ModelDims
 from sparrow.schedules import DENSE, Schedule
 from sparrow.typed_config import check_int
 
-from .cost_model import Hardware, _cost, _trajectory_sums, trajectory_cost
+from .cost_model import Hardware, Pricing, _cost, _trajectory_sums, trajectory_cost
 
 
 def training_step(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len: int, gen_len: int, samples: int,
-                  monitor_every: int = 1, monitor_share: float = 1.0, page_size: int = 16, dense_layers: int = 2,
-                  landmark: str = "centroid", bytes_per_param=2, bytes_per_kv=2) -> dict:
+                  monitor_every: int = 1, monitor_share: float = 1.0, *, pricing: Pricing = Pricing()) -> dict:
     """A whole GRPO step of one group (`samples` completions of one prompt), dense rollouts against `schedule`'s:
     the rollout (`trajectory_cost`), the update both pay, and the exact monitor only sparse rollouts pay.
 
@@ -33,24 +32,23 @@ def training_step(dims: ModelDims, hw: Hardware, schedule: Schedule, prompt_len:
     check_int("monitor_every", monitor_every, 1)
     if not 0 < monitor_share <= 1:
         raise SparrowError(f"monitor_share must be in (0, 1], got {monitor_share!r}")
-    options = {"page_size": page_size, "dense_layers": dense_layers, "landmark": landmark,
-               "bytes_per_param": bytes_per_param, "bytes_per_kv": bytes_per_kv}
-    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, **options)
-    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, **options)
-    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, page_size)
+    dense = trajectory_cost(dims, hw, DENSE, prompt_len, gen_len, samples, pricing=pricing)
+    sparse = trajectory_cost(dims, hw, schedule, prompt_len, gen_len, samples, pricing=pricing)
+    sum_cached, sum_sparse, sum_scored = _trajectory_sums(schedule, prompt_len, gen_len, pricing.page_size)
     attn_per_pair = 4 * dims.heads * dims.head_dim
     prompt_pairs = prompt_len * (prompt_len + 1) // 2
     forward_proj = 2 * (dims.step_params - dims.vocab * dims.hidden) * prompt_len + 2 * dims.step_params * (
         samples * gen_len)
     forward_attn = attn_per_pair * dims.layers * (prompt_pairs + samples * sum_cached)
-    update = _cost(hw, weight_bytes=3 * dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
+    update = _cost(hw, weight_bytes=3 * dims.step_params * pricing.bytes_per_param, kv_bytes=0, landmark_bytes=0,
                    proj_flops=3 * forward_proj, attn_flops=3 * forward_attn, score_flops=0, forwards=0)
     rows = monitored_rows(samples, monitor_share)
-    sparse_layers = dims.layers - dense_layers
-    lm = get_landmark(landmark)
-    monitor = _cost(hw, weight_bytes=dims.step_params * bytes_per_param, kv_bytes=0, landmark_bytes=0,
+    sparse_layers = dims.layers - pricing.dense_layers
+    lm = get_landmark(pricing.landmark)
+    monitor = _cost(hw, weight_bytes=dims.step_params * pricing.bytes_per_param, kv_bytes=0, landmark_bytes=0,
                     proj_flops=2 * dims.step_params * rows * gen_len,
-                    attn_flops=rows * attn_per_pair * (dense_layers * sum_cached + sparse_layers * sum_sparse),
+                    attn_flops=rows * attn_per_pair * (pricing.dense_layers * sum_cached
+                                                       + sparse_layers * sum_sparse),
                     score_flops=rows * lm.score_flops_per_page(dims.heads, dims.kv_heads, dims.head_dim)
                     * sparse_layers * sum_scored, forwards=0)
     dense_step = dense.cost + update.cost

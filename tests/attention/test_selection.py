@@ -15,7 +15,7 @@ from sparrow.attention import (
 from sparrow.attention.landmarks import LANDMARKS, REGISTRY, get_landmark
 from sparrow.bench import kv_bytes_per_step
 from sparrow.errors import SparrowError
-from sparrow.measure.cost_model import ModelDims, hardware, trajectory_cost
+from sparrow.measure.cost_model import ModelDims, Pricing, hardware, trajectory_cost
 from sparrow.schedules import const
 
 
@@ -112,8 +112,9 @@ def test_cost_model_prices_landmarks_from_the_registry():
     dims = ModelDims(layers=4, hidden=128, heads=8, kv_heads=2, head_dim=64, intermediate=256, vocab=100,
                      params=10_000, tied_embeddings=True)
     for name, lm in REGISTRY.items():
-        cost = trajectory_cost(dims, hardware("h200"), const(64), prompt_len=159, gen_len=1, samples=3, page_size=16,
-                               dense_layers=1, landmark=name).decode  # one step at 160 cached tokens
+        pricing = Pricing(page_size=16, dense_layers=1, landmark=name)
+        cost = trajectory_cost(dims, hardware("h200"), const(64), prompt_len=159, gen_len=1, samples=3,
+                               pricing=pricing).decode  # one step at 160 cached tokens
         assert cost.landmark_bytes == 3 * lm.bytes_per_page(2, 64, 2) * 3 * 10  # 3 sparse layers, 10 full pages
         assert cost.score_flops == 3 * lm.score_flops_per_page(8, 2, 64) * 3 * 10
 
@@ -134,7 +135,7 @@ def test_unknown_landmark_is_one_message_wherever_it_is_named():
     message = "unknown landmark 'mean': expected one of centroid, quest"
     for build in (lambda: get_landmark("mean"), lambda: SparseConfig(landmark="mean"),
                   lambda: trajectory_cost(ModelDims(2, 8, 2, 1, 4, 16, 10, 100, True), hardware("h200"), const(48),
-                                          63, 1, 1, landmark="mean")):
+                                          63, 1, 1, pricing=Pricing(landmark="mean"))):
         with pytest.raises(SparrowError, match=message):
             build()
 

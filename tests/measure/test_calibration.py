@@ -147,7 +147,7 @@ def test_the_long_answer_profile_at_the_papers_tau_needs_the_whole_cache_at_3_5_
 def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_length(tmp_path, capsys):
     from sparrow.cli import main
     from sparrow.measure.calibration import exact_candidates, per_length_acceptance
-    from sparrow.measure.cost_model import hardware
+    from sparrow.measure.cost_model import Pricing, hardware
     from sparrow.measure.exact_cost import exact_decode
     from sparrow.model_shapes import model_dims
     from sparrow.schedules import parse_schedule
@@ -172,8 +172,9 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
     # on a CPU, float32 and the host time of every forward pass: a slower prediction, the same numbers printed
     cpu = ["--hardware", "cpu", "--peak-flops", "1.33e11", "--bandwidth", "2.44e10", "--param-bytes", "4",
            "--kv-bytes", "4"]
+    float32 = Pricing(bytes_per_param=4, bytes_per_kv=4)
     plain, hosted = (exact_candidates(profile, dims, hardware("cpu", 1.33e11, 2.44e10, overhead), samples=8,
-                                      bytes_per_param=4, bytes_per_kv=4)[0] for overhead in (0.0, 0.045))
+                                      pricing=float32)[0] for overhead in (0.0, 0.045))
     assert hosted["exact_over_dense"] < plain["exact_over_dense"]
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact", *cpu,
                  "--step-overhead", "0.045", "--out", str(out)]) == 0
@@ -182,8 +183,7 @@ def test_exact_mode_calibration_picks_the_fastest_predicted_schedule_and_draft_l
     assert "predicted slower than dense" not in printed
     # memory so fast and arithmetic so slow that a verification costs more than the dense steps it replaces
     slow = ["--hardware", "cpu", "--peak-flops", "1e10", "--bandwidth", "1e12", "--param-bytes", "4", "--kv-bytes", "4"]
-    worst = exact_candidates(profile, dims, hardware("cpu", 1e10, 1e12), samples=8, bytes_per_param=4,
-                             bytes_per_kv=4)[0]
+    worst = exact_candidates(profile, dims, hardware("cpu", 1e10, 1e12), samples=8, pricing=float32)[0]
     assert worst["exact_over_dense"] < 1
     assert main(["calibrate", "--profile", "examples/manifest-profile.json", "--rollout-mode", "exact", *slow,
                  "--out", str(out)]) == 0

@@ -15,6 +15,7 @@ from sparrow.measure.cost_model import (
     HARDWARE,
     Hardware,
     ModelDims,
+    Pricing,
     compare,
     equal_cost_constant,
     hardware,
@@ -33,7 +34,7 @@ def step_cost(dims, hw, batch, cached, budget, page_size, **options):
     """One decode step of `batch` sequences holding `cached` tokens each (the new one included; budget None:
     dense): the decode part of a one-step trajectory."""
     schedule = DENSE if budget is None else const(budget)
-    return trajectory_cost(dims, hw, schedule, cached - 1, 1, batch, page_size, **options).decode
+    return trajectory_cost(dims, hw, schedule, cached - 1, 1, batch, pricing=Pricing(page_size, **options)).decode
 
 SMALL = ModelDims(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=259, params=1000,
                   tied_embeddings=True)
@@ -115,8 +116,9 @@ def test_every_forward_pass_pays_the_step_overhead():
     # a cost paid by both sides alike brings the predicted speedup toward 1
     dims, cpu = model_dims("smollm2-135m"), hardware("cpu", 1.33e11, 2.44e10)
     args = (const(1024), 8100, 64, 8)
-    plain = compare(dims, cpu, *args, bytes_per_param=4, bytes_per_kv=4)
-    hosted = compare(dims, hardware("cpu", 1.33e11, 2.44e10, 0.045), *args, bytes_per_param=4, bytes_per_kv=4)
+    float32 = Pricing(bytes_per_param=4, bytes_per_kv=4)
+    plain = compare(dims, cpu, *args, pricing=float32)
+    hosted = compare(dims, hardware("cpu", 1.33e11, 2.44e10, 0.045), *args, pricing=float32)
     assert hosted["dense_step_s"] == pytest.approx(plain["dense_step_s"] + 0.045)
     assert hosted["sparse_step_s"] == pytest.approx(plain["sparse_step_s"] + 0.045)
     assert 1 < hosted["predicted_speedup"] < plain["predicted_speedup"]
@@ -216,7 +218,8 @@ def test_at_equal_token_budget_larger_pages_cost_less():
     # the only cost that depends on the page size is the landmark traffic (one landmark per page), which
     # shrinks as pages grow; docs/cost-model.md works out how much larger a budget bigger pages may use.
     dims, hw, schedule = model_dims("qwen3-4b"), hardware("h200"), parse_schedule("qwen3-4b-0.86")
-    costs = {ps: trajectory_cost(dims, hw, schedule, 256, 32_768, 8, page_size=ps) for ps in (16, 32, 64, 128)}
+    costs = {ps: trajectory_cost(dims, hw, schedule, 256, 32_768, 8, pricing=Pricing(page_size=ps))
+             for ps in (16, 32, 64, 128)}
     assert [costs[ps].cost for ps in (16, 32, 64, 128)] == sorted((c.cost for c in costs.values()), reverse=True)
     decode_landmarks = {ps: c.decode.landmark_bytes for ps, c in costs.items()}
     assert decode_landmarks[16] / decode_landmarks[32] == pytest.approx(2, rel=0.01)
@@ -322,6 +325,28 @@ def test_step_cost_is_a_frozen_record():
     cost = step_cost(SMALL, TOY_HW, 1, 10, None, 16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cost.flops = 0
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"page_size": 0}, "page size must be a positive integer, got 0"),
+    ({"dense_layers": 5}, "dense_layers must be between 0 and the model's 4 layers, got 5"),
+    ({"landmark": "mean"}, "unknown landmark 'mean'"),
+    ({"bytes_per_param": 0}, "bytes_per_param must be a positive finite number, got 0"),
+    ({"bytes_per_kv": float("inf")}, "bytes_per_kv must be a positive finite number, got inf"),
+])
+def test_every_pricing_function_refuses_what_the_model_cannot_price(settings, message):
+    pricing = Pricing(**settings)
+    with pytest.raises(SparrowError, match=message):
+        pricing.check(SMALL)
+    args = (SMALL, TOY_HW, const(64), 100, 20, 2)
+    for price in (lambda: trajectory_cost(*args, pricing=pricing), lambda: compare(*args, pricing=pricing),
+                  lambda: equal_cost_constant(SMALL, TOY_HW, const(64), [100, 200], 20, 2, pricing=pricing),
+                  lambda: exact_decode(*args, 0.9, 2, pricing=pricing),
+                  lambda: training_step(*args, pricing=pricing)):
+        with pytest.raises(SparrowError, match=message):
+            price()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pricing.page_size = 16
 
 
 def test_the_equal_cost_constant_matches_a_growing_schedule_over_mixed_lengths(capsys):
