@@ -124,9 +124,9 @@ def _print_predicted(predicted: dict, hardware: str) -> None:
 def run(args) -> int:
     config = load_config(BenchConfig, args)
     log = phase_log("bench")  # stderr: stdout holds only the result (a summary line, or --json)
-    log(f"{config.model.name} in {config.model.dtype} (--dtype), weights and KV cache, in every engine")
     stock = _stock_vllm(config, log) if config.stock else None  # before this process does any work
     model, tokenizer = config.model.load()
+    log(f"{config.model.name} in {config.model.dtype} (--dtype), weights and KV cache, in every engine")
     engine = RolloutEngine(model, tokenizer, config.sparse.config(), max_batch_size=config.batch)
     schedule, longest = config.sparse.parsed_schedule, cache_tokens(config.context, config.warmup, config.steps)
     if all(schedule.budget_at(n) >= n for n in range(config.context, longest + 1)):
@@ -231,7 +231,7 @@ def _stock_vllm(config: BenchConfig, log) -> float:
              f"    r = run_vllm_benchmark(b, None, log=lambda m: print({_PROGRESS!r} + m, file=sys.stderr, flush=True), "
              "**args)\n"
              "    print('RESULT' + json.dumps(r.dense_tokens_per_s))\n")
-    log("stock vLLM (child process):")
+    log(f"stock vLLM (child process), in {config.model.dtype} (--dtype):")
     env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
     last = collections.deque(maxlen=20)
     with tempfile.TemporaryFile("w+") as out:
