@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from benchmarks.tail_vs_mean import (RunOutcome, _correlation_lines, bin_p5s, contrast_pairs, rank_correlations,
-                                    worst_bin)
+from benchmarks.tail_vs_mean import (RunOutcome, _correlation_lines, bin_p5s, contrast_pairs, main,
+                                    rank_correlations, worst_bin)
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tail_vs_mean.py")
 
@@ -81,7 +81,7 @@ def test_a_pair_with_equal_means_and_distant_tails_names_the_statistic_that_orde
     assert contrast_pairs(flipped)[0]["predicted_by"] == ["mean"]
 
 
-def test_the_script_pairs_sparse_with_dense_runs(tmp_path):
+def test_the_script_pairs_sparse_with_dense_runs(tmp_path, capsys):
     def run(name, rows, evals):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -99,16 +99,15 @@ def test_the_script_pairs_sparse_with_dense_runs(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     # retention 0.6 / 0.8; held-out differences -0.1, 0, -0.2; worst bin: 1024 at step 2 only (100 tokens at step 1)
     assert "| sparse | 0.925 | 0.850 | 0.500 | 0.750 (1024) | 0.75 | -0.100 [" in out and "| yes / no |" in out
-    labelled = subprocess.run([sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense=mine",
-                               "--behind-below", "0.7", "--min-bin-tokens", "260"],
-                              capture_output=True, text=True, check=True).stdout
+    # the same script in this process (the run above checked its command line)
+    assert main([f"{tmp_path}/sparse={tmp_path}/dense=mine", "--behind-below", "0.7", "--min-bin-tokens", "260"]) == 0
+    labelled = capsys.readouterr().out
     assert "| mine | 0.925 | 0.850 | 0.500 | 0.875 (1536) |" in labelled and "| no / no |" in labelled
-    twice = subprocess.run([sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense",
-                            f"{tmp_path}/sparse={tmp_path}/dense"], capture_output=True, text=True)
-    assert twice.returncode != 0 and "two runs are named 'sparse'" in twice.stderr
+    with pytest.raises(SystemExit, match="two runs are named 'sparse'"):
+        main([f"{tmp_path}/sparse={tmp_path}/dense", f"{tmp_path}/sparse={tmp_path}/dense"])
 
 
-def test_the_script_reads_a_redone_per_prompt_evaluation_for_older_logs(tmp_path):
+def test_the_script_reads_a_redone_per_prompt_evaluation_for_older_logs(tmp_path, capsys):
     for name, reward, held in (("dense", 0.5, [0.5, 0.5, 0.6]), ("sparse", 0.4, [0.4, 0.5, 0.4])):
         (tmp_path / name).mkdir()
         row = {"step": 1, "reward/mean": reward}
@@ -117,10 +116,12 @@ def test_the_script_reads_a_redone_per_prompt_evaluation_for_older_logs(tmp_path
                         "mismatch/exact/tokens": 10})
         (tmp_path / name / "metrics.jsonl").write_text(json.dumps(row) + "\n")
         (tmp_path / name / "eval.jsonl").write_text(json.dumps({"step": 10, "eval/mean@4": sum(held) / 3}) + "\n")
-    script = [sys.executable, SCRIPT, f"{tmp_path}/sparse={tmp_path}/dense"]
-    first = subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    pair = [f"{tmp_path}/sparse={tmp_path}/dense"]
+    assert main(pair) == 0
+    first = capsys.readouterr().out
     assert "| 0.500 |  | 0.80 | - | yes / - |" in first  # no per-bin figures: a blank worst bin
     for name, held in (("dense", [0.5, 0.5, 0.6]), ("sparse", [0.4, 0.5, 0.4])):
         (tmp_path / name / "eval-step10-per-prompt.json").write_text(json.dumps({"per_example_mean": held}))
-    out = subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    assert main(pair) == 0
+    out = capsys.readouterr().out
     assert "| 0.80 | -0.100 [" in out and "| yes / no |" in out
