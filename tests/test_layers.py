@@ -105,9 +105,10 @@ def test_importing_a_layer_loads_nothing_above_it():
             "        importlib.import_module(name)\n"
             "    print(json.dumps(sorted(m for m in sys.modules if m.startswith('sparrow.'))))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
-    for number, line in enumerate(run.stdout.splitlines()):
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(LAYERS) - 1
+    for number, line in enumerate(lines):
         loaded = json.loads(line)
         above = [m for m in loaded if layer_of(m) > number]
         assert above == [], f"importing layers 0-{number} loads {above}"
         assert set(LAYERS[number]) <= set(loaded)
-    assert number == len(LAYERS) - 2

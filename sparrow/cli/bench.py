@@ -206,6 +206,9 @@ def _vllm_setup(config: BenchConfig):
     return directory, kv_cache_gib_for(directory, config.batch * length, config.model.dtype), length, args
 
 
+_PROGRESS = "SPARROW-PROGRESS "  # the stock child's progress lines, among vLLM's own on its stderr
+
+
 def _stock_vllm(config: BenchConfig, log) -> float:
     """Dense decode tokens/s of stock vLLM, in a child process where the plugin is not configured; the child's
     progress lines are passed on as they come (its prefill of every prompt takes minutes on a CPU)."""
@@ -248,9 +251,6 @@ def _stock_vllm(config: BenchConfig, log) -> float:
         stock = json.loads(out.read().split("RESULT")[-1])
     log(f" stock: {stock:8.1f} tokens/s")
     return stock
-
-
-_PROGRESS = "SPARROW-PROGRESS "  # the stock child's progress lines, among vLLM's own on its stderr
 
 
 def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:

@@ -3,9 +3,8 @@ Sparrow's vLLM plugin) follows the file and reports beside it which version is i
 
 - The writer (`WrittenSchedule`): the schedule a run wants next, fixed or an adaptive controller's
   (controllers.py's `AdaptiveSchedule`, driven by the gathered measurements), each change written under the next
-  version (`write_schedule_json`, atomically), a new run one version above the last one the file or its
-  report holds. Every process of a
-  run keeps the same state (the same gathered values go in); only the writer process writes.
+  version (`write_schedule_json`, atomically), a new run one version above the last one the file or its report
+  holds. Every process of a run keeps the same state (the same gathered values go in); only the writer writes.
 - The follower (`FollowedFile`): one `stat` of the file per look (its inode, size and modification time against the
   last ones seen), a read only when it changed; a valid file is in force from then on, its version never going back
   (`read_schedule_file`'s `previous`); an invalid or missing one is refused once and the schedule in force stays.
