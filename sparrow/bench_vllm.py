@@ -23,6 +23,7 @@ class VLLMBenchResult:
     dense_tokens_per_s: float
     sparse_tokens_per_s: float | None
     prefill_s: float
+    prefill_copied: bool
 
 
 @dataclass
@@ -49,19 +50,22 @@ class VLLMExactBenchResult:
 ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, num_logprobs=0)
 
 
-def time_calls(configs: dict, prompts: list[list[int]], steps: int, repeats: int, log) -> tuple[dict, dict]:
+def time_calls(configs: dict, prompts: list[list[int]], steps: int, repeats: int, log,
+               warmup: int = 4) -> tuple[dict, dict]:
     """Per config name (backend, schedule, draft tokens): decode tokens/s over `repeats` alternated calls, each
     `steps` greedy tokens per prompt, the time of a 1-token call taken off (the recompute of a prompt's partial last
-    block cancels out); and each config's completions of the last repeat."""
+    block cancels out); and each config's completions of the last repeat. `warmup` tokens per config first."""
     many = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, num_logprobs=0)
-    log(f"warm-up: {steps} tokens x {len(prompts)} requests, " + " and ".join(configs))
-    for backend, schedule, drafts in configs.values():
-        backend.generate(prompts, many, schedule, draft_tokens=drafts)
+    if warmup:
+        log(f"warm-up: {warmup} tokens x {len(prompts)} requests, " + " and ".join(configs))
+        first = SamplingParams(max_new_tokens=warmup, temperature=0.0, ignore_eos=True, num_logprobs=0)
+        for backend, schedule, drafts in configs.values():
+            backend.generate(prompts, first, schedule, draft_tokens=drafts)
     times, outs = {name: [] for name in configs}, {}
     for r in range(repeats):  # alternated, so that a machine slowing down mid-run slows all alike
         for name, (backend, schedule, drafts) in configs.items():
-            # untimed: a sparse call after a dense one rebuilds landmarks
-            backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
+            if len(configs) > 1:  # untimed: a sparse call after a dense one rebuilds landmarks
+                backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
             start = time.perf_counter()
             backend.generate(prompts, ONE_TOKEN, schedule, draft_tokens=drafts)
             base = time.perf_counter() - start
@@ -83,23 +87,28 @@ def _prefill(backend, prompts, schedule: Schedule, drafts: int | None) -> float:
 
 
 def run_vllm_benchmark(backend, schedule: Schedule | None, context: int, batch: int, steps: int = 32,
-                       repeats: int = 3, seed: int = 0, log=print) -> VLLMBenchResult:
+                       repeats: int = 3, warmup: int = 4, seed: int = 0, log=print) -> VLLMBenchResult:
     """Decode tokens/s of a `VLLMBackend` at `context` cached tokens on `batch` distinct random prompts, prefilled
-    once (their blocks stay in vLLM's prefix cache). `schedule` None: dense only (stock vLLM)."""
+    once (their blocks stay in vLLM's prefix cache). `schedule` None: dense only (stock vLLM). The first prompt is
+    prefilled alone: an engine started with `copied_prefill.kv_transfer_config()` then copies its K and V into the
+    others' blocks instead of prefilling them."""
     vocab = len(backend.tokenizer)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
-    log(f"prefill: {batch} distinct prompts of {context} tokens")
-    prefill_s = _prefill(backend, prompts, DENSE, None)
+    copied = copies_prefill(backend)
+    log(f"prefill: {batch} distinct prompts of {context} tokens"
+        + (" (the first computed, its K and V copied into the others' blocks)" if copied else ""))
+    prefill_s = _prefill(backend, prompts[:1], DENSE, None) + _prefill(backend, prompts, DENSE, None)
     configs = {"dense": (backend, DENSE, None)}
     if schedule is not None:
         configs["sparse"] = (backend, schedule, None)
-    rates, _ = time_calls(configs, prompts, steps, repeats, log)
-    return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s)
+    rates, _ = time_calls(configs, prompts, steps, repeats, log, warmup)
+    return VLLMBenchResult(rates["dense"], rates.get("sparse"), prefill_s, copied)
 
 
 def run_vllm_exact_benchmark(plain, exact, schedule: Schedule, draft_tokens: int, context: int, batch: int,
-                             steps: int = 32, repeats: int = 3, seed: int = 0, log=print) -> VLLMExactBenchResult:
+                             steps: int = 32, repeats: int = 3, warmup: int = 4, seed: int = 0,
+                             log=print) -> VLLMExactBenchResult:
     """Greedy decode tokens/s of the plugin's dense and sparse decode (`plain`, a `VLLMBackend`) and of exact mode
     (`exact`, one started drafting `draft_tokens`) at `context` cached tokens on `batch` distinct real-text prompts
     (the drafts' acceptance depends on the text), alternated; exact's tokens against dense's."""
@@ -111,7 +120,7 @@ def run_vllm_exact_benchmark(plain, exact, schedule: Schedule, draft_tokens: int
     exact_prefill_s = _prefill(exact, prompts, schedule, draft_tokens)
     configs = {"dense": (plain, DENSE, None), "sparse": (plain, schedule, None),
                "exact": (exact, schedule, draft_tokens)}
-    rates, outs = time_calls(configs, prompts, steps, repeats, log)
+    rates, outs = time_calls(configs, prompts, steps, repeats, log, warmup)
     summary = exact_summary(outs["exact"])
     same = sum(e.token_ids == d.token_ids for e, d in zip(outs["exact"], outs["dense"]))
     log(f"exact: {summary['tokens_per_verify']:.2f} tokens per verification, {same} of {batch} sequences "
@@ -123,6 +132,14 @@ def run_vllm_exact_benchmark(plain, exact, schedule: Schedule, draft_tokens: int
         identical_sequences=same, sequences=batch, prefill_s=prefill_s, exact_prefill_s=exact_prefill_s,
         exact_kv_cache_gib=kv_cache_gib(exact), dense_kv_cache_gib=kv_cache_gib(plain),
         max_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+def copies_prefill(backend) -> bool:
+    """Whether a `VLLMBackend`'s engine was started with the copied-prefill connector (`sparrow.vllm.copied_prefill`)."""
+    from sparrow.vllm.copied_prefill import CONNECTOR
+
+    config = backend.llm.llm_engine.vllm_config.kv_transfer_config
+    return config is not None and config.kv_connector == CONNECTOR
 
 
 def kv_cache_gib(backend) -> float:

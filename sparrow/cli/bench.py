@@ -202,7 +202,7 @@ def _vllm_setup(config: BenchConfig):
     length = config.context + config.steps
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the benchmark may decode past the trained context
     args = {"context": config.context, "batch": config.batch, "steps": config.steps, "repeats": config.repeats,
-            "seed": config.seed}
+            "warmup": config.warmup, "seed": config.seed}
     return directory, kv_cache_gib_for(directory, config.batch * length, config.model.dtype), length, args
 
 
@@ -225,12 +225,13 @@ def _stock_vllm(config: BenchConfig, log) -> float:
              "from sparrow.bench_vllm import run_vllm_benchmark\n"
              "from sparrow.models import load_model\n"
              "from sparrow.rollout.vllm_backend import VLLMBackend\n"
+             "from sparrow.vllm.copied_prefill import kv_transfer_config\n"
              "if __name__ == '__main__':\n"
              "    d, gib, dtype, length, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), "
              "json.loads(sys.argv[5])\n"
              "    _, tok = load_model(d)\n"
              "    b = VLLMBackend(d, tok, dtype=dtype, kv_cache_gib=gib, plugin=False, log=lambda m: None,\n"
-             "                    max_model_len=length)\n"
+             "                    max_model_len=length, kv_transfer_config=kv_transfer_config())\n"
              f"    r = run_vllm_benchmark(b, None, log=lambda m: print({_PROGRESS!r} + m, file=sys.stderr, flush=True), "
              "**args)\n"
              "    print('RESULT' + json.dumps(r.dense_tokens_per_s))\n")
@@ -256,12 +257,14 @@ def _stock_vllm(config: BenchConfig, log) -> float:
 def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
     """vLLM with the plugin in this process, dense and under the schedule, next to stock vLLM's dense rate."""
     from sparrow.rollout.vllm_backend import VLLMBackend
+    from sparrow.vllm.copied_prefill import kv_transfer_config
 
     directory, gib, length, args = _vllm_setup(config)
     log("vLLM with Sparrow's plugin:")
     blocks = {"block_size": config.block_size} if config.block_size else {}
     backend = VLLMBackend(directory, tokenizer, config.sparse.config(), dtype=config.model.dtype, kv_cache_gib=gib,
-                          max_model_len=length, log=lambda m: None, **blocks)
+                          max_model_len=length, log=lambda m: None, kv_transfer_config=kv_transfer_config(),
+                          **blocks)
     try:
         result = run_vllm_benchmark(backend, config.sparse.parsed_schedule, log=log, **args)
     finally:
@@ -270,7 +273,7 @@ def _vllm_results(config: BenchConfig, tokenizer, stock: float, log) -> dict:
             "sparse_tokens_per_s": result.sparse_tokens_per_s,
             "sparse_over_dense": result.sparse_tokens_per_s / result.dense_tokens_per_s,
             "dense_over_stock": None if stock is None else result.dense_tokens_per_s / stock,
-            "prefill_s": result.prefill_s}
+            "prefill_s": result.prefill_s, "prefill_copied": result.prefill_copied}
 
 
 def _vllm_exact_results(config: BenchConfig, tokenizer, stock: float | None, log) -> dict:

@@ -340,20 +340,21 @@ def test_grpo_steps_with_the_vllm_backend_sync_weights_and_train(tmp_path):
     assert 0 < rows[0]["mismatch/exact/p5"] < 1 and rows[0]["mismatch/exact/tokens"] > 0
 
 
-def test_bench_times_stock_vllm_in_a_child_and_passes_its_progress_on(capsys):
+def test_bench_times_stock_vllm_in_a_child_and_passes_its_progress_on():
     """`sparrow bench --backend vllm --stock`: stock vLLM's rate from a child process, whose prefill and repeats are
-    reported as they come, the plugin's dense and sparse rates in this process, and the dtype every engine ran in."""
-    from sparrow.cli import main
-
-    _backend.cache_clear()
+    reported as they come, the plugin's dense and sparse rates in the command's process, and the dtype every engine
+    ran in; both engines prefill one prompt and copy it into the other's blocks. The command runs in a process of
+    its own: vLLM keeps one KV connector per process."""
     path = save_tiny_for_vllm(f"{_tmp()}/tiny-llama", "llama")
-    assert main(["bench", "--model", str(path), "--backend", "vllm", "--stock", "--context", "256", "--batch", "2",
-                 "--steps", "4", "--repeats", "1", "--warmup", "1", "--schedule", "const:64", "--no-hf",
-                 "--json"]) == 0
-    captured = capsys.readouterr()
-    rates = json.loads(captured.out)["vllm"]
+    run = subprocess.run([sys.executable, "-m", "sparrow.cli", "bench", "--model", str(path), "--backend", "vllm",
+                          "--stock", "--context", "256", "--batch", "2", "--steps", "4", "--repeats", "1",
+                          "--warmup", "1", "--schedule", "const:64", "--no-hf", "--json"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rates = json.loads(run.stdout)["vllm"]
     for key in ("stock_dense_tokens_per_s", "dense_tokens_per_s", "sparse_tokens_per_s"):
         assert rates[key] > 0, key
-    assert " stock: prefill: 2 distinct prompts of 256 tokens" in captured.err
-    assert " stock: repeat 1/1: 4 tokens x 2 requests" in captured.err
-    assert "in float32 (--dtype), weights and KV cache, in every engine" in captured.err
+    copied = "2 distinct prompts of 256 tokens (the first computed, its K and V copied into the others' blocks)"
+    assert f" stock: prefill: {copied}" in run.stderr and rates["prefill_copied"] is True
+    assert " stock: repeat 1/1: 4 tokens x 2 requests" in run.stderr
+    assert "in float32 (--dtype), weights and KV cache, in every engine" in run.stderr
