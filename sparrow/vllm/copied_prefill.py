@@ -50,7 +50,7 @@ class CopiedPrefillConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
@@ -58,27 +58,26 @@ class CopiedPrefillConnector(KVConnectorBase_V1):
         self.block_size = groups[0].kv_cache_spec.block_size
         self.source: str | None = None  # the request whose prefill is copied
         self.source_blocks = 0  # full blocks in the snapshot, once taken
-        self.computed: dict[str, int] = {}  # per request being scheduled: its tokens already in the cache
         self.pending = CopiedPrefillMetadata()
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.snapshots: dict[str, torch.Tensor] = {}
 
     # scheduler side
 
+    def _copyable_tokens(self, request) -> int:
+        """The request's tokens in whole blocks the snapshot holds (its last token is always computed)."""
+        return min((request.num_tokens - 1) // self.block_size, self.source_blocks) * self.block_size
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.source is None:
             self.source = request.request_id
-        full = min((request.num_tokens - 1) // self.block_size, self.source_blocks) * self.block_size
-        self.computed[request.request_id] = num_computed_tokens  # blocks from the prefix cache: not copied
-        return max(0, full - num_computed_tokens), False
+        return max(0, self._copyable_tokens(request) - num_computed_tokens), False  # prefix-cached blocks stay
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        computed = self.computed.pop(request.request_id, 0)
         if num_external_tokens:
-            first = computed // self.block_size
-            count = num_external_tokens // self.block_size
-            ids = blocks.get_block_ids()[0][first:first + count]
-            self.pending.copies.append((ids, first))
+            end = self._copyable_tokens(request) // self.block_size
+            first = end - num_external_tokens // self.block_size
+            self.pending.copies.append((blocks.get_block_ids()[0][first:end], first))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta, self.pending = self.pending, CopiedPrefillMetadata()
