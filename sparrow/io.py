@@ -18,6 +18,7 @@ import os
 import signal
 import stat
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -236,11 +237,20 @@ def read_jsonl(path: str | os.PathLike, torn_tail_ok: bool = False) -> list[tupl
 def write_whole(stream, text: str) -> None:
     """Write and flush `text` with Ctrl-C and SIGTERM held back until it is all written, so that an interrupt
     arriving mid-write (a pipe takes a long text in several writes) leaves no torn line; the held signal acts
-    right after."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    right after. Held by swapping the Python handlers, which always run in the main thread: a signal mask would
+    hold only this thread's, and the process's other threads (PyTorch's, a progress bar's) would take the signal."""
+    if threading.current_thread() is not threading.main_thread():  # handlers run in the main thread only
+        stream.write(text)
+        stream.flush()
+        return
+    arrived = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stream.write(text)
         stream.flush()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for signum in dict.fromkeys(arrived):
+        signal.raise_signal(signum)

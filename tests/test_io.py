@@ -103,11 +103,15 @@ def test_a_figure_that_cannot_be_written_names_its_file(tmp_path):
     assert _one_line(caught.value) == f"{str(tmp_path / 'plot.png')!r}: No space left on device"
 
 
-def test_write_whole_holds_a_termination_back_until_the_text_is_written():
+@pytest.mark.parametrize("other_thread", [False, True])
+def test_write_whole_holds_a_termination_back_until_the_text_is_written(other_thread):
     """A SIGTERM arriving in the middle of the write (here: sent by the stream itself between two chunks) acts
-    only after the whole text is written and flushed: no torn line."""
+    only after the whole text is written and flushed: no torn line. Also with another thread alive, which the
+    kernel may hand the signal to (as PyTorch's threads are in a real run)."""
     import os
     import signal
+    import threading
+    import time
 
     from sparrow.io import write_whole
 
@@ -122,6 +126,7 @@ def test_write_whole_holds_a_termination_back_until_the_text_is_written():
             half = len(text) // 2
             self.parts.append(text[:half])
             os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # a pipe blocking between two chunks: the main thread lets go of the interpreter
             self.parts.append(text[half:])
 
         def flush(self):
@@ -131,10 +136,13 @@ def test_write_whole_holds_a_termination_back_until_the_text_is_written():
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, terminate)
-    stream = Chunked()
+    stream, done = Chunked(), threading.Event()
+    if other_thread:
+        threading.Thread(target=done.wait).start()
     try:
         with pytest.raises(Terminated):
             write_whole(stream, '{"a": 1}\n{"b": 2}\n')
     finally:
         signal.signal(signal.SIGTERM, previous)
+        done.set()
     assert "".join(stream.parts) == '{"a": 1}\n{"b": 2}\n' and stream.flushed
