@@ -8,6 +8,28 @@ import torch
 from sparrow.models import load_model
 
 
+# The slowest files (`--durations` on 2 cores), sent to the xdist workers first so that none is left running alone
+# at the end; the others follow in collection order.
+SLOWEST_FIRST = ["rollout/test_vllm.py", "rollout/test_ray.py", "rollout/test_vllm_exact.py",
+                 "rollout/test_vllm_triton.py", "integrations/test_trl_setup.py", "integrations/test_trl_exact.py",
+                 "rl/test_ray_train.py", "rl/test_trainer.py", "rollout/test_vllm_copied_prefill.py",
+                 "rollout/test_vllm_schedule_file.py", "engine/test_determinism.py", "rl/test_distill.py",
+                 "integrations/test_trl_weight_sync.py", "rollout/test_vllm_wrapped.py"]
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker beside another on two cores: one thread each
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = [p for p in SLOWEST_FIRST if not (config.rootpath / "tests" / p).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: SLOWEST_FIRST names files that do not exist: {missing}")
+    rank = {f"tests/{path}": i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
 @functools.cache
 def _tiny(name):
     return load_model(name)

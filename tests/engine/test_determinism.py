@@ -90,16 +90,17 @@ def test_generate_keys_a_prompt_by_its_content_not_its_line(tmp_path, capsys):
 
 def _pytest(env: dict, *args: str) -> None:
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=root,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args],
+                          cwd=root, env={**os.environ, **env}, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 @pytest.mark.skipif(all(os.environ.get(k) == v for k, v in AVX2.items()), reason="already on AVX2 kernels")
 def test_the_same_holds_on_avx2_kernels():
     """This file's claims and the engine's sampling tests again, in a process that runs PyTorch's and MKL's AVX2
-    code paths (on an AVX2-only machine this repeats the run above); then the thread-count test bit for bit under
-    MKL's reproducible mode."""
-    _pytest(AVX2, "tests/engine/test_determinism.py", "tests/engine/test_engine.py", "-k",
-            "not avx2 and (batch or thread or content or seed or waves or finish)")
+    code paths (skipped where this process already runs PyTorch's AVX2 kernels: it would repeat the run above);
+    then the thread-count test bit for bit under MKL's reproducible mode."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        _pytest(AVX2, "tests/engine/test_determinism.py", "tests/engine/test_engine.py", "-k",
+                "not avx2 and (batch or thread or content or seed or waves or finish)")
     _pytest({**AVX2, **STRICT_MKL}, "tests/engine/test_determinism.py", "-k", "thread")

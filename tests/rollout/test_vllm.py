@@ -6,7 +6,6 @@ vLLM's CPU backend takes (our usual tiny models have 16).
 
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ from sparrow.attention.teacher_forced import sparse_completion_logits
 from sparrow.cpu import kernel as cpu_kernel
 from sparrow.engine import RolloutEngine, SamplingParams
 from sparrow.errors import SparrowError
-from sparrow.schedules import const, parse_schedule, write_schedule_json
+from sparrow.schedules import const, parse_schedule
 from sparrow.vllm import env as plugin_env
 from sparrow.vllm.paged import PageLandmarks, physical_pages, reference_decode
 from tests.conftest import random_prompts, save_tiny_for_vllm
@@ -241,53 +240,6 @@ def test_sync_weights_changes_the_rollouts_and_restoring_restores_them(llama_vll
         model.load_state_dict(original)
         backend.sync_weights(model)
     assert backend.generate(PROMPTS[:1], GREEDY, const(64))[0].logprobs == before.logprobs
-
-
-def _vllm_in_subprocess(tmp_path, prompts, schedules: list) -> list[list[list[float]]]:
-    """Greedy log-probs of `prompts` from a fresh vLLM process: stock vLLM (no `schedules`, no plugin variable),
-    or with the plugin following a schedule file that holds each of `schedules` in turn, one generate call each."""
-    script, follow = tmp_path / "run_vllm.py", tmp_path / "schedule.json"
-    files = []
-    for version, schedule in enumerate(schedules, 1):
-        written = write_schedule_json(schedule, tmp_path / f"schedule-{version}.json", version=version)
-        files.append(written.read_text())
-    if files:
-        follow.write_text(files[0])  # in force from engine start
-    script.write_text(
-        "import json, sys\n"
-        "from vllm import LLM, SamplingParams\n"
-        "if __name__ == '__main__':\n"
-        "    prompts, files = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n"
-        "    llm = LLM(model=sys.argv[1], dtype='float32', enforce_eager=True, max_model_len=2048,\n"
-        "              logprobs_mode='processed_logprobs')\n"
-        "    results = []\n"
-        "    for text in files or [None]:\n"
-        "        if text is not None:\n"
-        "            open(sys.argv[4], 'w').write(text)\n"
-        "        outs = llm.generate([{'prompt_token_ids': p} for p in prompts],\n"
-        "                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1))\n"
-        "        results.append([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]\n"
-        "                        for o in outs])\n"
-        "    print('RESULT' + json.dumps(results))\n")
-    env = {k: v for k, v in os.environ.items() if k not in plugin_env.ENV_NAMES}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    if schedules:
-        env.update(plugin_env.environment_for(SparseConfig(), f"{plugin_env.FOLLOW}{follow}"))
-    run = subprocess.run([sys.executable, str(script), str(_tmp()) + "/tiny-llama", json.dumps(prompts),
-                          json.dumps(files), str(follow)],
-                         env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.split("RESULT")[-1])
-
-
-def test_a_covering_budget_gives_stock_vllms_log_probs(llama_vllm, tmp_path):
-    """Stock vLLM, and vLLM with the plugin following a schedule file at a budget covering every request and then
-    at a sparse one, each in a fresh process."""
-    (stock,) = _vllm_in_subprocess(tmp_path, PROMPTS[:2], [])
-    covered, sparse = _vllm_in_subprocess(tmp_path, PROMPTS[:2], [const(1024), const(64)])
-    for a, b, c in zip(stock, covered, sparse):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-        assert max(abs(x - y) for x, y in zip(a, c)) > 1e-3  # the plugin is on in that process
 
 
 def test_quest_landmarks_and_qwen3_q_k_norms_teacher_force_to_the_same_log_probs(llama_vllm):

@@ -3,7 +3,7 @@ Triton's interpreter: it equals the eager path and the PyTorch reference request
 update the eager update (the backend's forward on this path: test_vllm_wrapped.py).
 
 The interpreter needs TRITON_INTERPRET=1 before triton.language is imported; test_vllm_triton.py sets it and, when
-triton was imported earlier, reruns its tests in a child process; this module does the same with its own.
+triton was imported earlier, runs this module's `interpreted` tests with its own in one child process.
 """
 
 
@@ -20,7 +20,6 @@ from tests.rollout.test_vllm_triton import (
     Batch,
     _common_metadata,
     interpreted,
-    run_under_interpreter,
 )
 
 if INTERPRETED:
@@ -30,11 +29,6 @@ if INTERPRETED:
         reference_page_scores,
     )
     from sparrow.vllm.triton_decode import page_reader, sparse_decode
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
-def test_the_graph_path_under_the_interpreter():
-    run_under_interpreter(__file__, "test_the_graph_path_under_the_interpreter")
 
 
 @interpreted

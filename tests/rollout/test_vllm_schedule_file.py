@@ -1,8 +1,8 @@
 """The plugin's run-time schedule: SPARROW_VLLM_SCHEDULE=@PATH, re-read when the file changes, a bad file refused
 with one message while the previous schedule stays in force, the schedule in force reported beside the file.
 
-The first tests drive `active()` directly (what the metadata builder calls once per engine step); the last runs a
-tiny model in vLLM on CPU and changes the file between generate calls.
+The first tests drive `active()` directly (what the metadata builder calls once per engine step); the last run a
+tiny model in vLLM on CPU, changing the file between generate calls, and stock vLLM beside it.
 """
 
 import json
@@ -114,7 +114,7 @@ def test_a_bad_file_at_engine_start_stops_with_one_message_naming_it(tmp_path):
 # -- in vLLM (CPU, tiny model, fresh process: the plugin reads its environment when vLLM loads it) ----------------
 
 _SCRIPT = """
-import json, sys
+import json, os, sys
 from vllm import LLM, SamplingParams
 from sparrow.schedules import parse_schedule, write_schedule_json
 from sparrow.schedules import runtime as schedule_runtime
@@ -138,14 +138,16 @@ if __name__ == "__main__":
               logprobs_mode="processed_logprobs")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     rows = []
-    for spec, version in (("const:1024", None), ("const:64", 2), ("bad", None), ("const:1024", 3)):
+    steps = (("const:1024", None), ("const:64", 2), ("bad", None), ("const:1024", 3))
+    stock = "SPARROW_VLLM_SCHEDULE" not in os.environ  # the plugin off: one call, no file
+    for spec, version in steps[:1] if stock else steps:
         if spec == "bad":
             open(path, "w").write('{"bins": [{"start": 0, "kv_budget": 20}]}')
         elif version is not None:
             write_schedule_json(parse_schedule(spec), path, version=version)
         before = calls["n"]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-        status = schedule_runtime.read_status(path)
+        status = {"version": None, "bins": None, "refused": None} if stock else schedule_runtime.read_status(path)
         rows.append({"logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                   for o in outs],
                      "version": status["version"], "bins": status["bins"], "refused": status["refused"],
@@ -154,31 +156,55 @@ if __name__ == "__main__":
 """
 
 
-def test_vllm_follows_the_schedule_file_between_generate_calls_and_refuses_a_bad_one(tmp_path):
-    """Covering budget (version 1), const:64 (version 2), a bad file (refused: const:64 stays), covering again
-    (version 3): the sparse decode runs exactly in the calls whose schedule is sparse, the log-probs of the first
-    and last calls agree, and the status file names the version each call decoded under."""
+def _run_script(tmp_path, plugin: bool) -> list[dict]:
+    """The script's rows from a fresh process: with the plugin following a schedule file (covering budget,
+    version 1, in force from engine start), or stock vLLM (the plugin's variables unset: one call)."""
     model = save_tiny_for_vllm(tmp_path / "tiny-llama")
     path = tmp_path / "schedule.json"
     write_schedule_json(const(1024), path, version=1)
     script = tmp_path / "follow.py"
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in plugin_env.ENV_NAMES}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT),
-               **plugin_env.environment_for(SparseConfig(), f"@{path}"))
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
+    if plugin:
+        env.update(plugin_env.environment_for(SparseConfig(), f"@{path}"))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))  # ours only
     prompts = random_prompts([300, 517], seed=3)
     run = subprocess.run([sys.executable, str(script), str(model), str(path), json.dumps(prompts)], env=env,
                          capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    covered, sparse, refused, again = json.loads(run.stdout.split("RESULT")[-1])
+    assert run.stderr.count("Sparrow's vLLM plugin refused") == plugin
+    return json.loads(run.stdout.split("RESULT")[-1])
+
+
+@pytest.fixture(scope="module")
+def followed_in_vllm(tmp_path_factory):
+    return _run_script(tmp_path_factory.mktemp("follow"), plugin=True)
+
+
+def _gap(a, b) -> float:
+    return max(abs(x - y) for p, q in zip(a["logprobs"], b["logprobs"]) for x, y in zip(p, q))
+
+
+def test_vllm_follows_the_schedule_file_between_generate_calls_and_refuses_a_bad_one(followed_in_vllm):
+    """Covering budget (version 1), const:64 (version 2), a bad file (refused, with one message: const:64 stays),
+    covering again (version 3): the sparse decode runs exactly in the calls whose schedule is sparse, the log-probs
+    of the first and last calls agree, and the status file names the version each call decoded under."""
+    covered, sparse, refused, again = followed_in_vllm
     assert [r["version"] for r in (covered, sparse, refused, again)] == [1, 2, 2, 3]
     assert refused["bins"] == [{"start": 0, "kv_budget": 64}] and "budget 20" in refused["refused"]
-    assert run.stderr.count("Sparrow's vLLM plugin refused") == 1
-    gap = max(abs(x - y) for a, b in zip(covered["logprobs"], sparse["logprobs"]) for x, y in zip(a, b))
-    assert gap > 1e-3  # const:64 at 300+ tokens decodes sparsely
+    assert _gap(covered, sparse) > 1e-3  # const:64 at 300+ tokens decodes sparsely
     assert sparse["logprobs"] == refused["logprobs"]  # the refused file changed nothing
-    assert max(abs(x - y) for a, b in zip(covered["logprobs"], again["logprobs"]) for x, y in zip(a, b)) < 1e-4
+    assert _gap(covered, again) < 1e-4
     if covered["sparse_calls"] is not None:  # the count where the backend still has `_sparse_decode`
         assert covered["sparse_calls"] == again["sparse_calls"] == 0
         assert sparse["sparse_calls"] >= 2 * 15 and refused["sparse_calls"] == sparse["sparse_calls"]
+
+
+def test_a_covering_budget_gives_stock_vllms_log_probs(followed_in_vllm, tmp_path):
+    """Stock vLLM in a fresh process against the plugin's calls above: the covering budget gives stock vLLM's
+    log-probs, const:64 does not (the plugin is on in that process)."""
+    (stock,) = _run_script(tmp_path, plugin=False)
+    covered, sparse = followed_in_vllm[:2]
+    assert _gap(stock, covered) < 1e-4
+    assert _gap(stock, sparse) > 1e-3

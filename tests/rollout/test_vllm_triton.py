@@ -4,8 +4,9 @@ reference and against `paged.reference_decode` (the CUDA backend that runs it: t
 Triton's interpreter (TRITON_INTERPRET=1) runs kernels on CPU tensors with numpy, but only if the variable is set
 before `triton.language` is imported: its own helpers (tl.zeros, tl.max, tl.sum) are decorated then. The suite's
 conftest imports our models, hence torch._dynamo, which imports triton; so when this module finds triton already
-imported without the interpreter, its tests run in a child pytest started with TRITON_INTERPRET=1
-(`test_the_kernels_under_the_interpreter`) and are skipped here.
+imported without the interpreter, the tests marked `triton_interpreter` here and in test_vllm_graph.py and
+test_vllm_wrapped.py run in one child pytest started with TRITON_INTERPRET=1
+(`test_the_triton_tests_under_the_interpreter`) and are skipped here.
 """
 
 import os
@@ -32,26 +33,30 @@ from sparrow.vllm.paged import (
 from tests.reference import reference_paged_attention
 
 INTERPRETED = isinstance(triton.language.standard.zeros, InterpretedFunction)
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="triton was imported before TRITON_INTERPRET was set; "
-                                                         "run in a child by test_the_kernels_under_the_interpreter")
+_SKIP_HERE = pytest.mark.skipif(not INTERPRETED, reason="triton was imported before TRITON_INTERPRET was set; "
+                                                        "run in a child by test_the_triton_tests_under_the_interpreter")
 if INTERPRETED:
     from sparrow.vllm.triton_decode import page_reader, paged_sparse_attention, sparse_decode
 
+INTERPRETER_FILES = ["test_vllm_triton.py", "test_vllm_graph.py", "test_vllm_wrapped.py"]
 
-def run_under_interpreter(test_file: str, own_test: str) -> None:
-    """Run `test_file`'s other tests in a child process with TRITON_INTERPRET=1 (it must be set before triton is
-    imported) and require that they pass."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k",
-                          f"not {own_test}"], cwd=Path(__file__).parents[2], env=env, capture_output=True,
-                         text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout, run.stdout[-1000:]
+
+def interpreted(test):
+    """Mark a test that needs Triton's interpreter: skipped in a process that imported triton without it."""
+    return pytest.mark.triton_interpreter(_SKIP_HERE(test))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
-def test_the_kernels_under_the_interpreter():
-    run_under_interpreter(__file__, "test_the_kernels_under_the_interpreter")
+def test_the_triton_tests_under_the_interpreter():
+    """The interpreted tests of the three files in one child process with TRITON_INTERPRET=1 (it must be set before
+    triton is imported); they must all pass."""
+    here = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m",
+                          "triton_interpreter", *(str(here / f) for f in INTERPRETER_FILES)],
+                         cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-1000:]
 
 
 PS = 16

@@ -23,12 +23,10 @@ from sparrow.vllm import env as plugin_env
 from sparrow.vllm import state as plugin_state
 from sparrow.vllm.paged import reference_decode
 from tests.rollout.test_vllm_triton import (
-    INTERPRETED,
     PS,
     Batch,
     _common_metadata,
     interpreted,
-    run_under_interpreter,
 )
 
 vllm = pytest.importorskip("vllm")
@@ -44,11 +42,6 @@ from vllm.v1.attention.backends.triton_attn import (
 from sparrow.vllm import plugin, wrapped
 from sparrow.vllm.graph_decode import DecodeGraphBuffers
 from sparrow.vllm.triton_decode import page_reader
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process runs them itself")
-def test_the_wrapper_under_the_interpreter():
-    run_under_interpreter(__file__, "test_the_wrapper_under_the_interpreter")
 
 
 @pytest.fixture
