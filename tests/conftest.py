@@ -10,11 +10,12 @@ from sparrow.models import load_model
 
 # The slowest files (`--durations` on 2 cores), sent to the xdist workers first so that none is left running alone
 # at the end; the others follow in collection order.
-SLOWEST_FIRST = ["rollout/test_vllm.py", "rollout/test_ray.py", "rollout/test_vllm_exact.py",
-                 "rollout/test_vllm_triton.py", "integrations/test_trl_setup.py", "integrations/test_trl_exact.py",
-                 "rl/test_ray_train.py", "rl/test_trainer.py", "rollout/test_vllm_copied_prefill.py",
-                 "rollout/test_vllm_schedule_file.py", "engine/test_determinism.py", "rl/test_distill.py",
-                 "integrations/test_trl_weight_sync.py", "rollout/test_vllm_wrapped.py"]
+SLOWEST_FIRST = ["rollout/test_vllm.py", "rollout/test_ray.py", "rl/test_ray_train.py", "rollout/test_vllm_exact.py",
+                 "rollout/test_vllm_schedule_file.py", "rollout/test_vllm_triton.py", "rl/test_trainer.py",
+                 "rollout/test_vllm_copied_prefill.py", "integrations/test_trl_setup.py",
+                 "integrations/test_trl_exact.py", "integrations/test_gather.py", "vllm/test_check_vllm_release.py",
+                 "rl/test_distill.py", "test_docs.py", "rollout/test_vllm_wrapped.py",
+                 "integrations/test_trl_weight_sync.py", "engine/test_determinism.py"]
 
 
 def pytest_configure(config):
