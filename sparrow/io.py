@@ -245,7 +245,8 @@ def write_whole(stream, text: str) -> None:
         return
     arrived = []
     previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not None}  # None: a handler set outside Python, which we cannot restore
     try:
         stream.write(text)
         stream.flush()
