@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models (seconds to build) and helpers to pad sequences."""
+"""Shared fixtures: tiny random models (seconds to build) and helpers to pad sequences; and how the suite runs in
+two pytest-xdist workers (one torch thread each, the slowest files first)."""
 
 import functools
 
